@@ -1,0 +1,16 @@
+"""ssd-trt: speculative speculative decoding (SSD / Saguaro) as an ahead-of-time compiled engine.
+
+Public API::
+
+    import ssd_trt
+    gen = ssd_trt.load("build/smollm2-135m")
+    result = gen.generate("Once upon a time", ssd_trt.SamplingParams(max_new_tokens=64))
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ssd_trt.decoding.params import SamplingParams  # noqa: E402
+from ssd_trt.runtime import GenerationResult, Generator, RuntimeOptions, load  # noqa: E402
+
+__all__ = ["GenerationResult", "Generator", "RuntimeOptions", "SamplingParams", "load", "__version__"]

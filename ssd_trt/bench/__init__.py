@@ -1,0 +1,1 @@
+"""Benchmarks: this engine's modes against peer baselines, side by side."""

@@ -1,0 +1,163 @@
+"""``python -m ssd_trt.build recipe.yaml``: export draft and target, validate, write the manifest.
+
+Steps (each shown on the progress bar): load weights -> check the pair shares a tokenizer -> compare
+logits with transformers -> trace the step graph -> write ONNX (ORT and TensorRT flavours) -> validate
+the ORT flavour with Polygraphy -> build TensorRT engines when TensorRT and a GPU are present.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ssd_trt.errors import RecipeError, SsdTrtError
+from ssd_trt.manifest import MANIFEST_NAME, artifact_entry, write_manifest
+from ssd_trt.recipe import Recipe, load_recipe
+
+ROLES = ("target", "draft")
+TOOLS = ("torch", "onnx", "onnxruntime", "onnxscript", "polygraphy", "transformers", "numpy")
+
+
+def tool_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for tool in TOOLS + ("tensorrt",):
+        try:
+            versions[tool] = metadata.version(tool)
+        except metadata.PackageNotFoundError:
+            versions[tool] = None
+    return versions
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> None:
+    if target_vocab != draft_vocab:
+        raise RecipeError(f"draft and target have different vocabularies ({draft_vocab} vs {target_vocab} "
+                          f"tokens); speculative decoding needs a draft that shares the target's tokenizer")
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise RecipeError("draft and target tokenizers differ (same size, different token ids); use a draft "
+                          "trained with the target's tokenizer")
+
+
+def prepare_output_dir(out: Path, recipe: Recipe, force: bool) -> None:
+    """Refuse to mix artifacts of two recipes in one directory unless --force (which clears it)."""
+    manifest = out / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            previous = json.loads(manifest.read_text()).get("recipe", {}).get("name")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            previous = "<unreadable manifest>"
+        if previous != recipe.name and not force:
+            raise RecipeError(f"{out} holds artifacts of recipe {previous!r}, not {recipe.name!r}; choose "
+                              f"another output_dir or pass --force to replace them")
+    if out.exists() and force:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest.unlink(missing_ok=True)  # a half-finished build never looks complete
+
+
+def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> Path:
+    from tqdm import tqdm
+
+    from ssd_trt.export.onnx_export import save_flavours, trace_step_graph
+    from ssd_trt.export.parity import transformers_parity
+    from ssd_trt.export.validate import validate_with_polygraphy
+    from ssd_trt.models.loading import load_decoder, load_tokenizer
+    from ssd_trt.models.sources import resolve_source
+    from ssd_trt.trt_hook import maybe_build_engines
+
+    recipe = load_recipe(recipe_path)
+    root = root or Path.cwd()
+    out = recipe.resolved_output_dir(root)
+    bases = (recipe_path.parent.resolve(), root)
+    sources = {role: resolve_source(getattr(recipe, role).source, bases) for role in ROLES}
+    prepare_output_dir(out, recipe, force)
+    started = time.time()
+    steps = ["load target", "load draft", "tokenizer", "parity target", "parity draft", "export target",
+             "export draft", "validate target", "validate draft", "tensorrt"]
+    bar = tqdm(steps, desc="build", unit="step", file=sys.stderr)
+    models, hf_configs, tokenizers, parity, validation, artifacts = {}, {}, {}, {}, {}, []
+
+    def step(name: str) -> None:
+        bar.set_postfix_str(name)
+
+    for role in ROLES:
+        step(f"load {role}")
+        models[role], hf_configs[role] = load_decoder(sources[role])
+        tokenizers[role] = load_tokenizer(sources[role])
+        bar.update()
+    step("tokenizer")
+    check_same_tokenizer(tokenizers["target"], tokenizers["draft"], models["target"].config.vocab_size,
+                         models["draft"].config.vocab_size)
+    tokenizer_dir = out / "tokenizer"
+    tokenizers["target"].save_pretrained(tokenizer_dir)
+    artifacts += [{"role": "tokenizer", **artifact_entry(out, p)} for p in sorted(tokenizer_dir.iterdir())]
+    bar.update()
+    for role in ROLES:
+        step(f"parity {role}")
+        parity[role] = transformers_parity(models[role], sources[role])
+        bar.update()
+    for role in ROLES:
+        step(f"export {role}")
+        paths = save_flavours(trace_step_graph(models[role]), out / role)
+        for flavour, path in paths.items():
+            artifacts.append({"role": role, "flavour": flavour, **artifact_entry(out, path)})
+        bar.update()
+    for role in ROLES:
+        step(f"validate {role}")
+        validation[role] = validate_with_polygraphy(models[role], out / role / "model.ort.onnx",
+                                                    [tuple(s) for s in recipe.validate_shapes])
+        if not validation[role]["passed"]:
+            raise SsdTrtError(f"{role} ONNX graph disagrees with the torch model "
+                              f"(max abs error {validation[role]['max_abs_error']:.3g}); see {out}")
+        bar.update()
+    step("tensorrt")
+    tensorrt = maybe_build_engines(recipe, out, models)
+    artifacts += tensorrt.pop("artifacts", [])
+    bar.update()
+    bar.close()
+    manifest: dict[str, Any] = {
+        "recipe": {**recipe.model_dump(mode="json"), "_path": str(recipe_path)},
+        "models": {role: {"config": models[role].config.to_dict(), "hf_config": _jsonable(hf_configs[role]),
+                          "source": str(sources[role].path), "parity_vs_transformers": parity[role],
+                          "head_token_ids": None if models[role].lm_head_token_ids is None
+                          else "embedded in weights"} for role in ROLES},
+        "tokenizer": {"dir": "tokenizer", "vocab_size": models["target"].config.vocab_size,
+                      "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
+        "artifacts": artifacts, "validation": validation, "tensorrt": tensorrt,
+        "tools": tool_versions(), "build_seconds": round(time.time() - started, 1),
+    }
+    write_manifest(out, manifest)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ssd_trt.build", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", type=Path, help="recipe YAML, e.g. recipes/smollm2-135m.yaml")
+    parser.add_argument("--force", action="store_true", help="replace an output dir built from another recipe")
+    args = parser.parse_args(argv)
+    try:
+        out = build(args.recipe, force=args.force)
+    except SsdTrtError as error:
+        print(f"ssd_trt.build: error: {error}", file=sys.stderr)
+        return 2
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    print(f"built {out}")
+    for role in ROLES:
+        p, v = manifest["models"][role]["parity_vs_transformers"], manifest["validation"][role]
+        print(f"  {role}: logits vs transformers max |diff| {p.get('max_abs_diff')}, "
+              f"polygraphy {'passed' if v['passed'] else 'FAILED'} (max abs err {v['max_abs_error']:.2e})")
+    print(f"  tensorrt: {manifest['tensorrt']['status']}: {manifest['tensorrt']['reason']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

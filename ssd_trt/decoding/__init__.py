@@ -1,0 +1,1 @@
+"""Decoding strategies over engines: autoregressive, speculative (chain/tree), saguaro (SSD)."""

@@ -1,0 +1,40 @@
+"""Sampling parameters of one request, validated once when constructed."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ssd_trt.errors import RequestError
+
+MAX_NEW_TOKENS_LIMIT = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """``temperature == 0`` is greedy; top-k/top-p apply to target and draft alike."""
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_on_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise RequestError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, "
+                               f"got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) \
+                or self.temperature < 0 or math.isinf(self.temperature):
+            raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise RequestError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

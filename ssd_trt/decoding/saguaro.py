@@ -1,0 +1,363 @@
+"""SSD with Saguaro scheduling: the draft pre-speculates every likely verification outcome while the
+target verifies (Kumar, Dao, May: "Speculative Speculative Decoding", ICLR 2026, arXiv 2603.03251).
+
+One round, as the two devices see it (the draft runs on its own core/thread, concurrently):
+
+  target:  verify [t*_prev, s_1..s_K] ──> outcome (k, t*) ──> look up cache ──> next speculation
+  draft :  1. glue decode   one forward over [t*_prev, s_1..s_K]: draft logits at positions j = 0..K
+           2. forking       at each j the top-F_j tokens (minus the draft's own s_{j+1}: a rejected
+                            token has zero residual mass, so it can never be t*) are bonus guesses
+           3. tree decode   K steps over all N = sum_j F_j branches at once; branch (j, t) attends to
+                            the prefix, glue tokens 0..j and its own earlier tokens (a tree mask)
+           4. cache fill    key (row, k=j, t*=t) -> that branch's K tokens and their draft probabilities
+  on a hit the next speculation is ready at once; on a miss a backup speculates: the neural draft
+  just in time below the critical batch size, prompt lookup (near-zero latency) at or above it.
+
+Sampling is lossless because the target verifies with the exact distribution each drafted token was
+drawn from (``sampling.verify_chain``). With Saguaro sampling (C < 1) that distribution is
+sigma_{F,C}: the draft's top-(F+1) tokens at a position -- a superset of the tokens cached as bonus
+guesses there, since the draft's own token is excluded from the forks -- get C times their mass,
+which moves residual mass onto cached tokens (the reference code scales top-(F+1) too).
+
+Tree decode re-feeds the glue tokens and earlier branch tokens at every step (their KV is not kept
+between steps) because the attention op treats every cached slot as visible prefix; a masked cached
+region would remove that re-feed (profiled cost in the README).
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ssd_trt.decoding.backup import ngram_proposal, point_mass
+from ssd_trt.decoding.batch import Sequences, feed_ragged, feed_rows
+from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank
+from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.sampling import next_token, processed_probs, sample, saguaro_probs, verify_chain
+from ssd_trt.decoding.stats import RoundStats
+from ssd_trt.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SaguaroConfig:
+    draft_len: int = 4                 # K
+    fan_out_budget: int = 8            # B = sum_k F_k guesses per sequence and round
+    saguaro_c: float = 1.0             # C of sigma_{F,C}; 1 = plain draft sampling
+    backup: str = "auto"               # auto | jit | ngram
+    critical_batch: int = 4            # b*: batches >= b* use the fast backup on a miss
+    prior_acceptance: float = 0.6
+    prior_power: float = 0.6
+    draft_timeout_s: float = 60.0
+    draft_cores: tuple[int, ...] | None = None   # pin the draft worker thread (None: the engine's own)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.draft_len <= 32:
+            raise RequestError(f"draft_len (K) must be in 1..32, got {self.draft_len}")
+        if self.fan_out_budget < self.draft_len + 1:
+            raise RequestError(f"fan_out_budget must be >= K+1 = {self.draft_len + 1}, got {self.fan_out_budget}")
+        if not 0 < self.saguaro_c <= 1:
+            raise RequestError(f"saguaro_c (C) must be in (0, 1], got {self.saguaro_c}")
+        if self.backup not in ("auto", "jit", "ngram"):
+            raise RequestError(f"backup must be auto, jit or ngram, got {self.backup!r}")
+        if self.draft_timeout_s <= 0:
+            raise RequestError("draft_timeout_s must be positive")
+
+
+@dataclass
+class Speculation:
+    """K drafted tokens per row, the distributions they were drawn from, and where they came from."""
+    tokens: np.ndarray                  # [B, K] int64
+    probs: np.ndarray | None            # [B, K, V] (None when greedy)
+    sources: list[str]                  # per row: primary | jit | ngram
+
+
+@dataclass
+class SpeculationCache:
+    entries: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray | None]]
+    glue_logits: np.ndarray             # [B, K+1, V] the draft's view of the verified speculation
+    started: float
+    finished: float
+
+
+class DraftWorker:
+    """Owns the draft engine. Every method runs on the worker thread, one job at a time, in order."""
+
+    def __init__(self, draft, config: SaguaroConfig, params: SamplingParams, seed: int | None) -> None:
+        self.draft, self.config, self.params = draft, config, params
+        self.rng = np.random.default_rng(None if seed is None else seed + 1)
+        self.pending: list[list[int]] = []   # committed tokens the draft cache has not seen yet
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def start(self, prompts: list[list[int]]) -> None:
+        if hasattr(self.draft, "pin_current_thread"):
+            self.draft.pin_current_thread()
+        if self.config.draft_cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(self.config.draft_cores))
+        self.draft.reset(len(prompts))
+        self.pending = [list(p) for p in prompts]
+
+    def commit(self, accepted_glue: list[list[int]]) -> None:
+        """The verified prefix grew by these tokens (glue tokens 0..k of the last speculation)."""
+        for row, tokens in enumerate(accepted_glue):
+            self.pending[row] += tokens
+
+    def _flush_pending(self, extra: list[list[int]]) -> np.ndarray:
+        """Feed pending + extra tokens; keep pending in the cache; return logits over ``extra``."""
+        counts = [len(p) for p in self.pending]
+        logits = feed_rows(self.draft, [p + e for p, e in zip(self.pending, extra)])
+        self.draft.rollback(self.draft.lengths - np.array([len(e) for e in extra], dtype=np.int32))
+        out = np.stack([logits[row, counts[row]:counts[row] + len(extra[row])] for row in range(len(extra))])
+        self.pending = [[] for _ in extra]
+        return out
+
+    def _draw(self, logits: np.ndarray, fan_out: int) -> tuple[int, np.ndarray | None]:
+        """One speculation token from draft logits [V]: argmax, or a draw from sigma_{F+1,C}(q)."""
+        if self.params.greedy:
+            return int(np.argmax(logits)), None
+        q = saguaro_probs(processed_probs(logits, self.params), fan_out + 1, self.config.saguaro_c)
+        return sample(q, self.rng), q
+
+    # -- the Saguaro round (draft side) ----------------------------------------------------------
+    def speculate(self, bonus: list[int], spec: Speculation, shapes: list[list[int]]) -> SpeculationCache:
+        started = time.perf_counter()
+        K, batch = self.config.draft_len, len(bonus)
+        glue = [[bonus[row]] + [int(t) for t in spec.tokens[row]] for row in range(batch)]
+
+        # 1. glue decode: draft logits at j = 0..K (pending committed tokens ride along in front)
+        glue_logits = self._flush_pending(glue)                       # [B, K+1, V]
+        base = self.draft.lengths
+
+        # 2. forking: top-F_j candidates at each position, minus the draft's own next token
+        forks: list[list[tuple[int, int]]] = []
+        for row in range(batch):
+            row_forks = []
+            for j, fan in enumerate(shapes[row]):
+                logits = glue_logits[row, j].copy()
+                if j < K:
+                    logits[glue[row][j + 1]] = -np.inf
+                for token in np.argsort(-logits, kind="stable")[:fan]:
+                    row_forks.append((j, int(token)))
+            forks.append(row_forks)
+        branches = len(forks[0])
+
+        # 3. tree decode: K steps over all branches at once (glue + earlier branch tokens re-fed)
+        tokens = np.zeros((batch, branches, K + 1), dtype=np.int64)   # [:, :, 0] is the fork token
+        probs = None if self.params.greedy else np.zeros((batch, branches, K, self.draft.spec.vocab_size))
+        for row in range(batch):
+            tokens[row, :, 0] = [t for _, t in forks[row]]
+        for step in range(1, K + 1):
+            ids, positions, mask = tree_step_inputs(glue, forks, tokens[:, :, :step], base)
+            logits = self.draft.forward(ids, positions, mask)[:, -branches:]   # the newest branch tokens
+            self.draft.rollback(base)
+            for row in range(batch):
+                for n in range(branches):
+                    fan_next = shapes[row][step - 1]   # forks that will sit at this token's position
+                    tokens[row, n, step], q = self._draw(logits[row, n], fan_next)
+                    if q is not None:
+                        probs[row, n, step - 1] = q
+
+        # 4. cache fill: (row, k, t*) -> the branch's K tokens and their draft distributions
+        entries = {}
+        for row in range(batch):
+            for n, (j, t) in enumerate(forks[row]):
+                entries[(row, j, t)] = (tokens[row, n, 1:].copy(), None if probs is None else probs[row, n])
+        return SpeculationCache(entries, glue_logits, started, time.perf_counter())
+
+    def just_in_time(self, bonus: list[int], shapes: list[list[int]]) -> Speculation:
+        """Neural backup: draft K tokens after each row's new bonus token, synchronously."""
+        K, batch = self.config.draft_len, len(bonus)
+        logits = self._flush_pending([[b] for b in bonus])[:, 0]
+        start = self.draft.lengths
+        self.draft.forward(np.array(bonus)[:, None], (start - 0)[:, None].astype(np.int64))  # bonus into cache
+        tokens = np.zeros((batch, K), dtype=np.int64)
+        probs = None if self.params.greedy else np.zeros((batch, K, self.draft.spec.vocab_size))
+        for i in range(K):
+            for row in range(batch):
+                tokens[row, i], q = self._draw(logits[row], shapes[row][i])
+                if q is not None:
+                    probs[row, i] = q
+            if i + 1 < K:
+                logits = self.draft.forward(tokens[:, i:i + 1], self.draft.lengths[:, None].astype(np.int64))[:, 0]
+        self.draft.rollback(start)            # the glue decode of the next round re-reads these
+        return Speculation(tokens, probs, ["jit"] * batch)
+
+
+def tree_step_inputs(glue: list[list[int]], forks: list[list[tuple[int, int]]], branch_tokens: np.ndarray,
+                     base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens, positions and tree mask for one tree-decode step.
+
+    Layout of the T = (K+1) + steps*N new tokens: glue 0..K, then step 1's N branch tokens, step 2's, ...
+    Glue i sees glue 0..i; branch n's token at step e sees glue 0..j_n and its own tokens 1..e.
+    """
+    batch, branches, steps = branch_tokens.shape
+    glue_len = len(glue[0])
+    size = glue_len + steps * branches
+    ids = np.zeros((batch, size), dtype=np.int64)
+    positions = np.zeros((batch, size), dtype=np.int64)
+    mask = np.zeros((batch, size, size), dtype=bool)
+    mask[:, :glue_len, :glue_len] = np.tril(np.ones((glue_len, glue_len), dtype=bool))
+    for row in range(batch):
+        ids[row, :glue_len] = glue[row]
+        positions[row, :glue_len] = base[row] + np.arange(glue_len)
+        for n, (j, _) in enumerate(forks[row]):
+            own = [glue_len + e * branches + n for e in range(steps)]
+            for e, index in enumerate(own):
+                ids[row, index] = branch_tokens[row, n, e]
+                positions[row, index] = base[row] + j + 1 + e
+                mask[row, index, :j + 1] = True
+                mask[row, index, own[:e + 1]] = True
+    return ids, positions, mask
+
+
+def generate_saguaro(target, draft, prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator,
+                     config: SaguaroConfig) -> dict:
+    params, batch, K = seqs.params, len(prompts), config.draft_len
+    stats = RoundStats(mode="ssd", draft_len=K)
+    planner = FanOutPlanner(K, config.fan_out_budget, config.prior_acceptance, config.prior_power)
+    worker = DraftWorker(draft, config, params, params.seed)
+    use_jit = config.backup == "jit" or (config.backup == "auto" and batch < config.critical_batch)
+    timeline: list[dict] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft") as pool:
+        def on_draft(fn, *args) -> Future:
+            return pool.submit(fn, *args)
+
+        def draft_result(future: Future):
+            return future.result(timeout=config.draft_timeout_s)
+
+        draft_started = on_draft(worker.start, prompts)        # draft prefill overlaps target prefill
+        target.reset(batch)
+        first = feed_ragged(target, prompts)
+        bonus = [next_token(first[row], params, rng) for row in range(batch)]
+        for row in range(batch):
+            seqs.commit(row, [bonus[row]])
+        try:
+            draft_result(draft_started)
+            spec = draft_result(on_draft(worker.just_in_time, bonus, [planner.shape("backup")] * batch))
+        except Exception as failure:   # noqa: BLE001 -- any draft failure: finish exactly without it
+            return finish_without_draft(target, seqs, bonus, rng, stats, failure)
+        round_index = 0
+        while not seqs.all_done:
+            shapes = [planner.shape("primary")] * batch          # guesses for the *next* round
+            t_submit = time.perf_counter()
+            cache_future = on_draft(worker.speculate, bonus, spec, shapes)
+
+            # --- target: verify [t*_prev, s_1..s_K] in one pass (concurrently with the draft) ---
+            t_verify = time.perf_counter()
+            start = target.lengths
+            feed = np.concatenate([np.array(bonus)[:, None], spec.tokens], axis=1)
+            logits = target.forward(feed, start[:, None] + np.arange(K + 1)[None, :])
+            outcomes = [verify_chain(spec.tokens[row], None if spec.probs is None else spec.probs[row],
+                                     logits[row], params, rng) for row in range(batch)]
+            t_verified = time.perf_counter()
+            new_lengths = start.copy()
+            accepted_glue = []
+            for row, outcome in enumerate(outcomes):
+                if seqs.done[row]:
+                    accepted_glue.append([])
+                    continue
+                seqs.commit(row, [int(t) for t in spec.tokens[row, :outcome.accepted]] + [outcome.bonus])
+                stats.record_round(outcome.accepted)
+                new_lengths[row] = start[row] + 1 + outcome.accepted
+                accepted_glue.append([bonus[row]] + [int(t) for t in spec.tokens[row, :outcome.accepted]])
+            target.rollback(new_lengths)
+
+            # --- lookup: a hit is the next speculation, ready now ---
+            try:
+                cache = validate_cache(draft_result(cache_future), batch, K, target.spec.vocab_size)
+            except Exception as failure:   # noqa: BLE001
+                return finish_without_draft(target, seqs, [o.bonus for o in outcomes], rng, stats, failure)
+            t_looked_up = time.perf_counter()
+            next_tokens = np.zeros((batch, K), dtype=np.int64)
+            next_probs = None if params.greedy else np.zeros((batch, K, target.spec.vocab_size))
+            sources, missed = [], []
+            for row, outcome in enumerate(outcomes):
+                key = (row, outcome.accepted, outcome.bonus)
+                own_next = int(spec.tokens[row, outcome.accepted]) if outcome.accepted < K else None
+                rank = bonus_rank(cache.glue_logits[row, outcome.accepted], own_next, outcome.bonus)
+                planner.curve(spec.sources[row]).observe(outcome.accepted, K, rank)
+                if seqs.done[row]:
+                    sources.append("primary")
+                    continue
+                hit = key in cache.entries
+                stats.record_lookup(outcome.accepted, hit)
+                if hit:
+                    next_tokens[row], row_probs = cache.entries[key]
+                    if next_probs is not None:
+                        next_probs[row] = row_probs
+                    sources.append("primary")
+                else:
+                    missed.append(row)
+                    sources.append("jit" if use_jit else "ngram")
+            bonus = [o.bonus for o in outcomes]
+            on_draft(worker.commit, accepted_glue)
+
+            # --- miss: backup speculator ---
+            if missed and use_jit:
+                try:
+                    backup = draft_result(on_draft(worker.just_in_time, bonus, [planner.shape("backup")] * batch))
+                except Exception as failure:   # noqa: BLE001
+                    return finish_without_draft(target, seqs, bonus, rng, stats, failure)
+                for row in missed:
+                    next_tokens[row] = backup.tokens[row]
+                    if next_probs is not None:
+                        next_probs[row] = backup.probs[row]
+            elif missed:
+                for row in missed:
+                    context = prompts[row] + seqs.tokens[row]
+                    next_tokens[row] = ngram_proposal(context, K)
+                    if next_probs is not None:
+                        next_probs[row] = point_mass(list(next_tokens[row]), target.spec.vocab_size)
+            for row in missed:
+                stats.backup_rounds[sources[row]] += 1
+            t_done = time.perf_counter()
+            stats.add_time(draft_s=max(0.0, cache.finished - cache.started), verify_s=t_verified - t_verify,
+                           wait_s=max(0.0, t_looked_up - t_verified) + (t_done - t_looked_up))
+            timeline.append({"round": round_index, "verify": [t_verify - seqs.started, t_verified - seqs.started],
+                             "draft": [cache.started - seqs.started, cache.finished - seqs.started],
+                             "submitted": t_submit - seqs.started, "hits": batch - len(missed),
+                             "backup": len(missed)})
+            spec = Speculation(next_tokens, next_probs, sources)
+            round_index += 1
+    summary = stats.summary()
+    summary.update(overlap_summary(timeline))
+    summary.update({"fan_out": planner.describe(), "timeline": timeline, "saguaro_c": config.saguaro_c,
+                    "backup_policy": "jit" if use_jit else "ngram"})
+    return summary
+
+
+def validate_cache(cache: SpeculationCache, batch: int, draft_len: int, vocab: int) -> SpeculationCache:
+    """Refuse a malformed cache from the draft (garbage is a draft failure, never an output)."""
+    for (row, k, token), (tokens, _) in cache.entries.items():
+        if not (0 <= row < batch and 0 <= k <= draft_len and 0 <= token < vocab and len(tokens) == draft_len
+                and int(np.min(tokens)) >= 0 and int(np.max(tokens)) < vocab):
+            raise ValueError(f"draft returned a malformed cache entry {(row, k, token)}")
+    return cache
+
+
+def finish_without_draft(target, seqs: Sequences, bonus: list[int], rng: np.random.Generator,
+                         stats: RoundStats, failure: BaseException) -> dict:
+    """The draft died, hung or returned garbage: finish every row target-only, exactly as AR would.
+
+    The target's cache holds the verified prefix; ``bonus`` is each row's committed-but-unfed token.
+    """
+    stats.draft_failures.append(f"{type(failure).__name__}: {failure}")
+    tokens = np.array(bonus, dtype=np.int64)
+    while not seqs.all_done:
+        logits = target.forward(tokens[:, None], target.lengths[:, None].astype(np.int64))[:, 0]
+        tokens = np.array([next_token(logits[row], seqs.params, rng) for row in range(len(bonus))])
+        for row, token in enumerate(tokens):
+            seqs.commit(row, [int(token)])
+    summary = stats.summary()
+    summary["fallback"] = "autoregressive (draft failed)"
+    return summary
+
+
+def overlap_summary(timeline: list[dict]) -> dict:
+    """How much of each verification the draft was working at the same time."""
+    verify_total = sum(t["verify"][1] - t["verify"][0] for t in timeline)
+    overlap = sum(max(0.0, min(t["verify"][1], t["draft"][1]) - max(t["verify"][0], t["draft"][0]))
+                  for t in timeline)
+    return {"verify_overlap_fraction": overlap / verify_total if verify_total else None}

@@ -1,0 +1,67 @@
+"""The engine interface every backend implements (ONNX Runtime, TensorRT, torch eager).
+
+An engine owns one model's KV cache for ``batch`` sequences ("rows"). Every call of :meth:`forward`
+appends T new tokens to every row (ragged prefix lengths are allowed) and returns their logits.
+Strategies (autoregressive, speculative, saguaro) only ever talk to this interface.
+
+Step-graph I/O (identical for every backend, names shared with the exported ONNX):
+  inputs   input_ids [B,T] int64, position_ids [B,T] int64, tree_mask [B,T,ceil(T/32)] int32
+           (packed bits, see plugins/tree_attention/reference.py), cache_lengths [B] int32,
+           past_key_{i}, past_value_{i} [B,Hkv,S,D] float32 for layer i
+  outputs  logits [B,T,V] float32, present_key_{i}, present_value_{i} [B,Hkv,S,D] (the caches with
+           the T new entries written at slots cache_lengths[b] .. cache_lengths[b]+T-1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+GRAPH_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths")
+GRAPH_OUTPUT_LOGITS = "logits"
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key_{layer}", f"past_value_{layer}"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present_key_{layer}", f"present_value_{layer}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Static facts about a compiled model that the runtime needs."""
+    name: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_batch: int
+    max_context: int
+
+
+class Engine(Protocol):
+    spec: EngineSpec
+
+    def reset(self, batch: int) -> None:
+        """Start ``batch`` empty sequences (frees any previous cache)."""
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Current cache length of every row, int32 [B] (a copy)."""
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray,
+                tree_mask: np.ndarray | None = None) -> np.ndarray:
+        """Append ``input_ids`` [B,T] to every row and return logits float32 [B,T,V].
+
+        ``tree_mask`` is bool [B,T,T] (token i may see new token j); None means causal (chain).
+        """
+
+    def rollback(self, lengths: np.ndarray) -> None:
+        """Truncate every row's cache to ``lengths`` [B] (<= current); later writes overwrite."""
+
+    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
+        """After a tree step: keep slots ``start + offsets[i]`` of ``row`` as slots ``start + i``
+        (the accepted path) and set that row's length to ``start + len(offsets)``."""

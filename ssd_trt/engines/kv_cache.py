@@ -1,0 +1,76 @@
+"""The KV cache every numpy-backed engine owns: one buffer per layer and kind, with a length per row.
+
+Capacity grows geometrically (doubling, capped at max_context), so a sequence of n tokens is copied
+O(log n) times in total, and attention reads at most twice the live prefix. Rollback is O(1): the
+length shrinks and later writes overwrite the stale slots (attention never reads past the length).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ssd_trt.engines.base import EngineSpec
+from ssd_trt.errors import RequestError
+
+INITIAL_CAPACITY = 128
+
+
+class KVCache:
+    def __init__(self, spec: EngineSpec, batch: int) -> None:
+        if not 1 <= batch <= spec.max_batch:
+            raise RequestError(f"batch {batch} is outside this engine's range 1..{spec.max_batch} "
+                               f"({spec.name}); rebuild with a larger engine.max_batch or send fewer prompts")
+        self.spec = spec
+        self.lengths = np.zeros(batch, dtype=np.int32)
+        self.buffers: list[np.ndarray] = []
+        self._allocate(min(INITIAL_CAPACITY, spec.max_context))
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].shape[2]
+
+    def _allocate(self, capacity: int) -> None:
+        s = self.spec
+        shape = (self.batch, s.num_kv_heads, capacity, s.head_dim)
+        new = [np.zeros(shape, dtype=np.float32) for _ in range(2 * s.num_layers)]
+        for old, fresh in zip(self.buffers, new):
+            fresh[:, :, :old.shape[2]] = old
+        self.buffers = new
+
+    def reserve(self, num_new: int) -> bool:
+        """Make room for ``num_new`` more tokens in every row; True when the buffers were replaced."""
+        needed = int(self.lengths.max()) + num_new
+        if needed > self.spec.max_context:
+            raise RequestError(f"{self.spec.name}: {needed} tokens exceed the engine's max context "
+                               f"{self.spec.max_context}; shorten the prompt or max_new_tokens, or rebuild "
+                               f"with a larger engine.max_context")
+        if needed <= self.capacity:
+            return False
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        self._allocate(min(capacity, self.spec.max_context))
+        return True
+
+    def rollback(self, lengths: np.ndarray) -> None:
+        lengths = np.asarray(lengths, dtype=np.int32)
+        if lengths.shape != self.lengths.shape or (lengths > self.lengths).any() or (lengths < 0).any():
+            raise ValueError(f"rollback to {lengths.tolist()} is invalid for lengths {self.lengths.tolist()}")
+        self.lengths = lengths.copy()
+
+    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
+        """Compact a tree step: slots start+offsets[i] become start+i (the accepted path)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if offsets.size and (offsets.min() < 0 or start + offsets.max() >= self.lengths[row]):
+            raise ValueError(f"keep offsets {offsets.tolist()} from {start} outside row {row} "
+                             f"of length {self.lengths[row]}")
+        if offsets.size and not np.array_equal(offsets, np.arange(offsets.size)):
+            for buffer in self.buffers:
+                view = buffer[row]                     # [H, S, D]; index slots on axis 1
+                view[:, start:start + offsets.size] = view[:, start + offsets]
+        self.lengths[row] = start + offsets.size

@@ -1,0 +1,89 @@
+"""ONNX Runtime engine (CPU execution provider) for the ORT-flavour step graph.
+
+The KV cache lives in numpy buffers owned by :class:`KVCache`. Each step binds every past buffer as
+both the input ``past_*`` and the output ``present_*`` (IOBinding over the same memory): ORT's
+ScatterElements skips its input->output copy when the two are the same buffer, so a decode step
+writes only its T new entries instead of re-copying the cache (measured in tests/test_ort_engine.py
+and the README: step time does not grow with unused capacity).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
+from ssd_trt.engines.base import EngineSpec, past_names, present_names
+from ssd_trt.engines.kv_cache import KVCache
+
+
+class OrtEngine:
+    def __init__(self, onnx_path: Path, spec: EngineSpec, threads: int = 1,
+                 cores: Sequence[int] | None = None) -> None:
+        import onnxruntime as ort
+        self.spec = spec
+        self.cores = tuple(cores) if cores else None
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        if self.cores and threads > 1:
+            # threads 2..n of the intra-op pool; thread 1 is the caller, pinned in pin_current_thread.
+            options.add_session_config_entry("session.intra_op_thread_affinities",
+                                             ";".join(str(self.cores[i % len(self.cores)] + 1)
+                                                      for i in range(1, threads)))
+        self._ort = ort
+        self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        self.cache: KVCache | None = None
+        self._cache_values: list = []
+
+    def pin_current_thread(self) -> None:
+        """Run this engine's calls on its own cores (Linux: affects only the calling thread)."""
+        if self.cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(self.cores))
+
+    def reset(self, batch: int) -> None:
+        self.cache = KVCache(self.spec, batch)
+        self._bind_cache()
+
+    def _bind_cache(self) -> None:
+        ortvalue = self._ort.OrtValue.ortvalue_from_numpy
+        self._cache_values = [ortvalue(buffer) for buffer in self.cache.buffers]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.cache.lengths.copy()
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray,
+                tree_mask: np.ndarray | None = None) -> np.ndarray:
+        cache = self.cache
+        batch, num_new = input_ids.shape
+        if batch != cache.batch:
+            raise ValueError(f"{self.spec.name}: batch {batch} does not match the reset batch {cache.batch}")
+        if cache.reserve(num_new):
+            self._bind_cache()
+        packed = causal_tree_mask(batch, num_new) if tree_mask is None else pack_tree_mask(tree_mask)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        binding.bind_cpu_input("tree_mask", packed)
+        binding.bind_cpu_input("cache_lengths", cache.lengths)
+        binding.bind_output("logits")  # first bound output: get_outputs()[0]
+        for layer in range(self.spec.num_layers):
+            for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
+                value = self._cache_values[2 * layer + kind]
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)  # same memory: written in place
+        self.session.run_with_iobinding(binding)
+        cache.lengths += num_new
+        return binding.get_outputs()[0].numpy()
+
+    def rollback(self, lengths: np.ndarray) -> None:
+        self.cache.rollback(lengths)
+
+    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
+        self.cache.keep(row, start, offsets)

@@ -1,0 +1,18 @@
+"""User-facing errors. Each carries a message that says what was wrong and how to fix it."""
+from __future__ import annotations
+
+
+class SsdTrtError(Exception):
+    """Base class; the CLIs print ``str(error)`` and exit non-zero, no traceback."""
+
+
+class RecipeError(SsdTrtError, ValueError):
+    """A recipe file is missing, malformed, or names something that does not exist."""
+
+
+class ArtifactError(SsdTrtError):
+    """A build directory is missing, corrupt, from another version, or mismatched."""
+
+
+class RequestError(SsdTrtError, ValueError):
+    """A generation request is invalid (prompt, sampling parameters, mode, batch)."""

@@ -1,0 +1,124 @@
+"""Trace a :class:`Decoder` into one ONNX step graph with an ``ssd::tree_attention`` node per layer.
+
+Flavours of the same traced graph:
+  * ``ort``: the op's standard-op decomposition attached as a model-local function (ORT inlines it);
+  * ``trt``: the bare node, tagged ``plugin_namespace``/``plugin_version`` so TensorRT's ONNX parser
+    imports it as the ``ssd::tree_attention`` plugin; no function attached.
+Both flavours reference one external weight file, written once.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from onnx import external_data_helper, helper
+
+from plugins.tree_attention.onnx_function import DOMAIN, NAME, OPSET, tree_attention_function
+from plugins.tree_attention.reference import causal_tree_mask
+from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_LOGITS, past_names, present_names
+from ssd_trt.models.decoder import Decoder
+
+PLUGIN_VERSION = "1"
+_SYMBOLIC_REGISTERED: list[bool] = []
+
+
+def _register_symbolic() -> None:
+    """Map the torch custom op to a custom-domain ONNX node (TorchScript exporter)."""
+    if _SYMBOLIC_REGISTERED:
+        return
+    from torch.onnx import register_custom_op_symbolic
+    from torch.onnx.symbolic_helper import parse_args
+
+    @parse_args("v", "v", "v", "v", "v", "v", "v", "f")
+    def symbolic(g, query, key_new, value_new, key_cache, value_cache, cache_lengths, tree_mask, scale):
+        outputs = g.op(f"{DOMAIN}::{NAME}", query, key_new, value_new, key_cache, value_cache,
+                       cache_lengths, tree_mask, scale_f=scale, outputs=3)
+        for output, like in zip(outputs, (query, key_cache, value_cache)):
+            output.setType(like.type())   # same shapes/dtypes as these inputs
+        return outputs
+
+    register_custom_op_symbolic(f"{DOMAIN}::{NAME}", symbolic, 1)
+    _SYMBOLIC_REGISTERED.append(True)
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    inputs, outputs = list(GRAPH_INPUTS), [GRAPH_OUTPUT_LOGITS]
+    for layer in range(num_layers):
+        inputs += past_names(layer)
+        outputs += present_names(layer)
+    return inputs, outputs
+
+
+def trace_step_graph(model: Decoder) -> onnx.ModelProto:
+    """Trace the step graph with dynamic batch, new-token count, mask words and cache capacity."""
+    _register_symbolic()
+    batch, num_new, capacity = 2, 3, 8
+    args = (torch.zeros(batch, num_new, dtype=torch.int64),
+            torch.arange(num_new).repeat(batch, 1),
+            torch.from_numpy(causal_tree_mask(batch, num_new)),
+            torch.zeros(batch, dtype=torch.int32),
+            *model.empty_caches(batch, capacity))
+    inputs, outputs = io_names(model.config.num_layers)
+    dynamic = {"input_ids": {0: "batch", 1: "new_tokens"}, "position_ids": {0: "batch", 1: "new_tokens"},
+               "tree_mask": {0: "batch", 1: "new_tokens", 2: "mask_words"}, "cache_lengths": {0: "batch"},
+               "logits": {0: "batch", 1: "new_tokens"}}
+    for name in inputs[4:] + outputs[1:]:
+        dynamic[name] = {0: "batch", 2: "capacity"}
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, buffer, input_names=inputs, output_names=outputs,
+                          dynamic_axes=dynamic, opset_version=OPSET, dynamo=False,
+                          custom_opsets={DOMAIN: 1}, do_constant_folding=True)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _attention_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [node for node in model.graph.node if node.domain == DOMAIN and node.op_type == NAME]
+
+
+def _rename_scale_attribute(model: onnx.ModelProto) -> None:
+    for node in _attention_nodes(model):
+        for attribute in node.attribute:
+            if attribute.name == "scale_f":
+                attribute.name = "scale"
+
+
+def ort_flavour(traced: onnx.ModelProto) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    model.CopyFrom(traced)
+    _rename_scale_attribute(model)
+    del model.functions[:]
+    model.functions.append(tree_attention_function())
+    return model
+
+
+def trt_flavour(traced: onnx.ModelProto) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    model.CopyFrom(traced)
+    _rename_scale_attribute(model)
+    del model.functions[:]
+    for node in _attention_nodes(model):
+        node.attribute.extend([helper.make_attribute("plugin_namespace", DOMAIN),
+                               helper.make_attribute("plugin_version", PLUGIN_VERSION)])
+    return model
+
+
+def save_flavours(traced: onnx.ModelProto, out_dir: Path, weights_file: str = "weights.bin") -> dict[str, Path]:
+    """Write model.ort.onnx and model.trt.onnx sharing one external weights file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (out_dir / weights_file,):
+        stale.unlink(missing_ok=True)
+    shared = onnx.ModelProto()
+    shared.CopyFrom(traced)
+    external_data_helper.convert_model_to_external_data(shared, all_tensors_to_one_file=True,
+                                                        location=weights_file, size_threshold=1024)
+    external_data_helper.write_external_data_tensors(shared, str(out_dir))  # writes weights once
+    paths = {"ort": out_dir / "model.ort.onnx", "trt": out_dir / "model.trt.onnx"}
+    onnx.save_model(ort_flavour(shared), paths["ort"])
+    onnx.save_model(trt_flavour(shared), paths["trt"])
+    paths["weights"] = out_dir / weights_file
+    return paths

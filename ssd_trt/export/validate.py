@@ -1,0 +1,101 @@
+"""Validate an ORT-flavour step graph against the torch model with Polygraphy (CPU).
+
+Polygraphy's own torch runner moves models to CUDA, so a small CPU runner feeds the same inputs to
+the eager :class:`Decoder`. Each check is one (batch, new tokens) shape with a partly filled cache,
+ragged lengths and a random tree mask, so prefill, decode and tree steps are all covered.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plugins.tree_attention.reference import pack_tree_mask
+from ssd_trt.export.onnx_export import io_names
+from ssd_trt.models.decoder import Decoder
+
+ATOL, RTOL = 1e-2, 1e-3   # fp32 logits of a 30-layer model differ ~1e-4 relative by summation order
+
+
+def sample_feeds(model: Decoder, batch: int, num_new: int, seed: int) -> OrderedDict:
+    rng = np.random.default_rng(seed)
+    c = model.config
+    capacity = 16 + num_new
+    lengths = rng.integers(0, capacity - num_new + 1, size=batch).astype(np.int32)
+    mask = np.tril(rng.random((batch, num_new, num_new)) < 0.6) | np.eye(num_new, dtype=bool)
+    feeds = OrderedDict(input_ids=rng.integers(0, c.vocab_size, (batch, num_new)).astype(np.int64),
+                        position_ids=(lengths[:, None] + np.arange(num_new)[None]).astype(np.int64),
+                        tree_mask=pack_tree_mask(mask), cache_lengths=lengths)
+    names = io_names(c.num_layers)[0][4:]
+    for name in names:
+        feeds[name] = rng.standard_normal((batch, c.num_kv_heads, capacity, c.head_dim)).astype(np.float32)
+    return feeds
+
+
+def _torch_runner(model: Decoder, example: OrderedDict):
+    from polygraphy.backend.base import BaseRunner
+
+    class TorchCpuRunner(BaseRunner):
+        """Eager torch on CPU (Polygraphy's PytorchRunner calls .cuda())."""
+
+        def __init__(self) -> None:
+            super().__init__(name="torch-cpu")
+            self.output_names = io_names(model.config.num_layers)[1]
+
+        def activate_impl(self) -> None:
+            pass
+
+        def deactivate_impl(self) -> None:
+            pass
+
+        def get_input_metadata_impl(self):
+            from polygraphy.common import TensorMetadata
+            metadata = TensorMetadata()
+            for name, value in example.items():
+                metadata.add(name, value.dtype, [None] * value.ndim)
+            return metadata
+
+        def infer_impl(self, feed_dict):
+            start = time.perf_counter()
+            with torch.no_grad():
+                names = io_names(model.config.num_layers)[0]
+                outputs = model(*(torch.from_numpy(np.ascontiguousarray(feed_dict[n])) for n in names))
+            self.inference_time = time.perf_counter() - start
+            return OrderedDict((name, out.numpy()) for name, out in zip(self.output_names, outputs))
+
+    return TorchCpuRunner()
+
+
+def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple[int, int]],
+                             threads: int = 2) -> dict:
+    """Run torch and ONNX Runtime on the same inputs; return per-output max errors and a verdict."""
+    import onnxruntime as ort
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+    from polygraphy.comparator import Comparator, CompareFunc  # noqa: F401
+
+    from polygraphy.logger import G_LOGGER
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    feeds = [sample_feeds(model, batch, num_new, seed) for seed, (batch, num_new) in enumerate(shapes)]
+    runners = [_torch_runner(model, feeds[0]), OnnxrtRunner(lambda: session)]
+    results = Comparator.run(runners, data_loader=feeds)
+    verdict = Comparator.compare_accuracy(results, compare_func=_compare_func())
+    (_, torch_runs), (_, ort_runs) = results[0], results[1]
+    max_abs = 0.0
+    for torch_out, ort_out in zip(torch_runs, ort_runs):
+        for name in torch_out.keys():
+            max_abs = max(max_abs, float(np.abs(torch_out[name] - ort_out[name]).max()))
+    return {"tool": "polygraphy", "shapes": [list(s) for s in shapes], "atol": ATOL, "rtol": RTOL,
+            "max_abs_error": max_abs, "passed": bool(verdict)}
+
+
+def _compare_func():
+    from polygraphy import comparator
+    if hasattr(comparator, "SimpleCompareFunc"):
+        return comparator.SimpleCompareFunc(atol=ATOL, rtol=RTOL)
+    return comparator.CompareFunc.simple(atol=ATOL, rtol=RTOL)

@@ -1,0 +1,67 @@
+"""``python -m ssd_trt.generate BUILD_DIR --prompt "..."``: generate text from a build directory.
+
+Streams text to the terminal, or with ``--json`` prints one line
+``{"text", "token_ids", "stats"}`` (token_ids: generated tokens only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ssd_trt.errors import SsdTrtError
+from ssd_trt.runtime import MODES, RuntimeOptions
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ssd_trt.generate", description=__doc__.splitlines()[0])
+    p.add_argument("build_dir", type=Path, help="a directory made by `python -m ssd_trt.build`")
+    p.add_argument("--prompt", required=True, help="prompt text, tokenized as-is unless --chat")
+    p.add_argument("--mode", default="ar", choices=MODES, help="ar | sd (speculative) | ssd (Saguaro)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--draft-len", type=int, default=None, help="K, draft tokens per round (sd/ssd)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of streaming")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import ssd_trt
+        params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                        top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        generator = ssd_trt.load(args.build_dir, RuntimeOptions(draft_len=args.draft_len))
+        streamed: list[int] = []
+        printed = [0]
+
+        def stream(row: int, tokens: list[int]) -> None:
+            streamed.extend(tokens)
+            text = generator.tokenizer.decode(streamed, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):   # wait for the rest of a multi-byte character
+                sys.stdout.write(text[printed[0]:])
+                sys.stdout.flush()
+                printed[0] = len(text)
+
+        [result] = generator.generate(args.prompt, params, mode=args.mode, chat=args.chat,
+                                      on_tokens=None if args.json else stream)
+    except SsdTrtError as error:
+        print(f"ssd_trt.generate: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
+    else:
+        sys.stdout.write(result.text[printed[0]:] + "\n")
+        s = result.stats
+        print(f"[{args.mode}] {s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
+              f"ttft {s['ttft_s']:.3f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Export-friendly decoder models written for ssd-trt, loading real HF / GGUF weights."""

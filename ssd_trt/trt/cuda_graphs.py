@@ -1,0 +1,129 @@
+"""CUDA graphs per shape bucket: which shapes get a graph, which graph a step replays, and the graph.
+
+A CUDA graph replays a fixed sequence of kernel launches with fixed pointers and shapes, removing
+the per-step launch overhead that dominates decode steps of a few tokens. The runtime keeps one
+graph per *bucket* (batch, T) for the exact-T profiles (decode, verify, tree); other steps (prefill)
+run eagerly. A step may be padded up to a larger bucket:
+
+* extra batch rows are dummy rows (length 0, identity mask) of the runtime's max_batch cache buffers,
+  which no live sequence uses;
+* extra tokens see only themselves and sit after the real ones, so real tokens never attend to them;
+  their keys/values land in slots >= the new length, which the next step overwrites. That needs
+  L_b + T_bucket <= S for every row, the ``room`` argument of :func:`select_bucket`.
+
+:func:`plan_buckets`, :func:`select_bucket` and :func:`pad_step` are plain Python / numpy; :class:`StepGraph` needs torch with
+CUDA and is only constructed on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from plugins.tree_attention.reference import pack_tree_mask
+from ssd_trt.trt.profiles import Profile
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class GraphBucket:
+    """A captured step shape: ``batch`` rows of ``tokens`` new tokens, run under ``profile``."""
+    batch: int
+    tokens: int
+    profile: int  # index into the engine's profiles
+
+    @property
+    def area(self) -> int:
+        return self.batch * self.tokens
+
+
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """Batch buckets: powers of two below ``max_batch``, and ``max_batch`` itself."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes + [max_batch])
+
+
+def plan_buckets(profiles: tuple[Profile, ...]) -> tuple[GraphBucket, ...]:
+    """Buckets for every exact-T profile (a profile with a T range runs eagerly)."""
+    buckets = []
+    for index, profile in enumerate(profiles):
+        if profile.exact_tokens:
+            for batch in batch_sizes(profile.batch[2]):
+                if batch >= profile.batch[0]:
+                    buckets.append(GraphBucket(batch, profile.tokens[0], index))
+    return tuple(sorted(buckets, key=lambda b: (b.area, b.tokens, b.batch)))
+
+
+def select_bucket(buckets: tuple[GraphBucket, ...], batch: int, tokens: int, room: int) -> GraphBucket | None:
+    """The smallest bucket (fewest padded token slots) that fits a step, or None to run it eagerly.
+
+    ``room`` is the free cache space of the fullest row, S - max_b L_b: a bucket's padded tokens must
+    fit there too.
+    """
+    if tokens > room:
+        raise ValueError(f"{tokens} new tokens do not fit: the fullest row has room for {room}")
+    fitting = [b for b in buckets if b.batch >= batch and tokens <= b.tokens <= room]
+    return min(fitting, key=lambda b: (b.area, b.tokens, b.batch)) if fitting else None
+
+
+class StepGraph:
+    """One CUDA graph of ``launch`` (a step over static buffers), captured on first use.
+
+    ``launch`` enqueues the step on the current stream and reads/writes only buffers whose addresses
+    never change. The first :meth:`run` executes it eagerly (TensorRT must run once before capture,
+    and this run *is* the step), then captures it; later calls replay the graph.
+    """
+
+    def __init__(self, launch: Callable[[], None], stream) -> None:
+        self._launch = launch
+        self._stream = stream
+        self._graph = None
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def run(self) -> None:
+        """Run the step on the graph's stream (eagerly the first time, by replay afterwards)."""
+        import torch
+
+        if self._graph is not None:
+            with torch.cuda.stream(self._stream):
+                self._graph.replay()
+            return
+        with torch.cuda.stream(self._stream):
+            self._launch()
+        self._stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread (the other engine) may launch work while this one captures.
+        with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+            self._launch()
+        self._graph = graph
+
+
+def pad_step(input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, lengths: np.ndarray,
+             rows: int, tokens: int) -> dict[str, np.ndarray]:
+    """Host inputs of one step padded to ``rows`` x ``tokens`` (a bucket), mask packed.
+
+    ``tree_mask`` is bool [B,T,T]. Padded tokens repeat the row's last position and see only
+    themselves; padded rows have length 0, token 0 and an identity mask. Real tokens see exactly what
+    they saw before, so their outputs are unchanged (tests/test_trt_build.py checks this with the
+    reference attention).
+    """
+    batch, num_new = input_ids.shape
+    if rows < batch or tokens < num_new:
+        raise ValueError(f"cannot pad a {batch} x {num_new} step down to {rows} x {tokens}")
+    ids = np.zeros((rows, tokens), dtype=np.int64)
+    ids[:batch, :num_new] = input_ids
+    positions = np.zeros((rows, tokens), dtype=np.int64)
+    positions[:batch, :num_new] = position_ids
+    positions[:batch, num_new:] = position_ids[:, -1:]
+    mask = np.broadcast_to(np.eye(tokens, dtype=bool), (rows, tokens, tokens)).copy()
+    mask[:batch, :num_new, :num_new] = tree_mask
+    cache_lengths = np.zeros(rows, dtype=np.int32)
+    cache_lengths[:batch] = lengths
+    return {"input_ids": ids, "position_ids": positions, "tree_mask": pack_tree_mask(mask),
+            "cache_lengths": cache_lengths}

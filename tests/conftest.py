@@ -1,0 +1,45 @@
+"""Shared fixtures. Tiny random-weight pairs are built once per session through the real build."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import perturbed, random_decoder, save_hf_checkpoint, tiny_config, write_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2_BUILD = ROOT / "build" / "smollm2-135m"
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_pairs(tmp_path_factory) -> dict[str, Path]:
+    """Build dirs for three random-weight pairs: draft == target, a perturbed copy, an unrelated model."""
+    from ssd_trt.build import build
+
+    root = tmp_path_factory.mktemp("tiny")
+    target = random_decoder(tiny_config(), seed=0)
+    drafts = {"self": target, "perturbed": perturbed(target, seed=1, amount=0.05),
+              "unrelated": random_decoder(tiny_config(layers=1, hidden=32), seed=2)}
+    target_dir = save_hf_checkpoint(target, root / "target")
+    builds = {}
+    for name, draft in drafts.items():
+        draft_dir = target_dir if draft is target else save_hf_checkpoint(draft, root / f"draft-{name}")
+        recipe = write_recipe(root / f"{name}.yaml", target_dir, draft_dir, name=f"tiny-{name}")
+        builds[name] = build(recipe, root=root)
+    return builds
+
+
+@pytest.fixture(scope="session")
+def smollm2_build() -> Path:
+    """The embedded default's build dir (built here if missing: a few minutes on 2 cores)."""
+    if not (SMOLLM2_BUILD / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "ssd_trt.build", str(ROOT / "recipes" / "smollm2-135m.yaml")],
+                       cwd=ROOT, check=True)
+    return SMOLLM2_BUILD

@@ -1,0 +1,78 @@
+"""Test helpers: tiny real checkpoints (HF format + a real WordLevel tokenizer) built by the real pipeline."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from ssd_trt.models.config import DecoderConfig
+from ssd_trt.models.decoder import Decoder
+
+TINY_VOCAB = 256
+
+
+def tiny_config(layers: int = 2, hidden: int = 64, vocab: int = TINY_VOCAB) -> DecoderConfig:
+    return DecoderConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
+
+
+def random_decoder(config: DecoderConfig, seed: int, scale: float = 0.15) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, scale)
+        # sharp next-token distributions, like a trained LM: a strong output head
+        model.lm_head.weight.mul_(6.0)
+    return model.eval()
+
+
+def perturbed(model: Decoder, seed: int, amount: float) -> Decoder:
+    torch.manual_seed(seed)
+    copy = Decoder(model.config)
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.add_(torch.randn_like(param) * amount * param.std())
+    return copy.eval()
+
+
+def save_hf_checkpoint(model: Decoder, directory: Path) -> Path:
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    c = model.config
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+          "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+          "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+          "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+          "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+          "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2,
+          "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+    (directory / "config.json").write_text(json.dumps(hf, indent=1))
+    state = {("model." + k if not k.startswith("lm_head") else k): v.contiguous()
+             for k, v in model.state_dict().items() if k != "inv_freq"}
+    save_file(state, str(directory / "model.safetensors"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, c.vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(directory)
+    return directory
+
+
+def write_recipe(path: Path, target: Path, draft: Path, name: str = "tiny", **engine) -> Path:
+    recipe = {"name": name, "output_dir": str(path.parent / "build" / name),
+              "target": {"source": str(target)}, "draft": {"source": str(draft)},
+              "engine": {"backend": "ort", "max_batch": 4, "max_context": 256, "max_draft_len": 8,
+                         "max_tree_size": 32, **engine}}
+    path.write_text(yaml.safe_dump(recipe))
+    return path
