@@ -134,8 +134,13 @@ class Generator:
                                  {**stats, "row_tokens": len(tokens)}) for tokens in seqs.tokens]
 
     def _run(self, mode: str, prompt_ids: list[list[int]], seqs: Sequences, rng: np.random.Generator) -> dict:
+        from ssd_trt.engines.affinity import pinned
+        with pinned(self.options.target_cores):
+            return self._run_strategy(mode, prompt_ids, seqs, rng)
+
+    def _run_strategy(self, mode: str, prompt_ids: list[list[int]], seqs: Sequences,
+                      rng: np.random.Generator) -> dict:
         target = self.engine("target")
-        target.pin_current_thread()
         if mode == "ar":
             from ssd_trt.decoding.autoregressive import generate_autoregressive
             return generate_autoregressive(target, prompt_ids, seqs, rng)
@@ -144,7 +149,8 @@ class Generator:
             return generate_speculative(target, self.engine("draft"), prompt_ids, seqs, rng,
                                         draft_len=self.options.draft_len or 4)
         from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
-        config = SaguaroConfig(**{"draft_len": self.options.draft_len or 4, **self.options.ssd})
+        config = SaguaroConfig(**{"draft_len": self.options.draft_len or 4,
+                                  "draft_cores": self.options.draft_cores, **self.options.ssd})
         return generate_saguaro(target, self.engine("draft"), prompt_ids, seqs, rng, config)
 
 

@@ -8,8 +8,6 @@ the attention output and that exactly the T new slots of each cache were written
 """
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,8 +99,8 @@ def make_problem(case: Case):
 
 
 CASES = ([Case(kind, seed, torch.float32) for kind, count in
-          (("chain", 45), ("prefill", 25), ("wide", 35), ("deep", 35), ("forest", 20), ("arbitrary", 20),
-           ("ragged", 35)) for seed in range(count)]
+          (("chain", 40), ("prefill", 25), ("wide", 30), ("deep", 30), ("forest", 20), ("arbitrary", 20),
+           ("ragged", 30)) for seed in range(count)]
          + [Case(kind, 1000 + seed, dtype) for dtype in (torch.float16, torch.bfloat16)
             for kind in ("chain", "wide", "deep", "ragged", "prefill") for seed in range(6)])
 
@@ -130,7 +128,6 @@ def test_kernel_matches_reference(case: Case):
 
 
 def test_inplace_updates_only_new_slots():
-    rng = np.random.default_rng(7)
     (query, key_new, value_new, key_cache, value_cache, lengths, mask), scale, _ = make_problem(
         Case("ragged", 7, torch.float32))
     before_keys, before_values = key_cache.clone(), value_cache.clone()
@@ -145,7 +142,6 @@ def test_inplace_updates_only_new_slots():
         for cache, before in ((key_cache, before_keys), (value_cache, before_values)):
             assert torch.equal(cache[row, :, :length], before[row, :, :length])
             assert torch.equal(cache[row, :, length + tokens:], before[row, :, length + tokens:])
-    del rng
 
 
 def test_decode_step_sees_whole_prefix_only():
@@ -179,12 +175,3 @@ def test_bad_inputs_raise_actionable_errors():
     with pytest.raises(ValueError, match="power of two"):
         KernelSpec("fp16", 8, 2, 64, 0.125, block_s=48)
 
-
-def test_interpreter_suite_is_fast_enough():
-    """Guard the CPU budget: one mid-size case runs well under a second in the interpreter."""
-    (query, key_new, value_new, key_cache, value_cache, lengths, mask), scale, _ = make_problem(
-        Case("wide", 2, torch.float32))
-    start = time.perf_counter()
-    tree_attention(query, key_new, value_new, key_cache, value_cache, lengths, mask, scale)
-    assert time.perf_counter() - start < 2.0
-    assert math.isfinite(scale)

@@ -44,10 +44,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
-MASK_WORD_BITS = 32
+from plugins.tree_attention.reference import MASK_WORD_BITS
+
 LOG2E = 1.4426950408889634
 # Large finite "minus infinity" for the running max (see module docstring).
 _NEG_BIG = tl.constexpr(-1.0e30)

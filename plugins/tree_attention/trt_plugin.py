@@ -62,9 +62,9 @@ class Tile:
 
 # Tactic id -> tile. TensorRT times every tactic of a type combination and keeps the fastest.
 # Small tiles suit decode / verification (few rows), large ones tree steps and prefill. All stay below
-# 48 KiB of shared memory on sm_80 and sm_90 (checked in tests/test_trt_plugin.py).
-LOW_PRECISION_TACTICS = {1: Tile(16, 64, 32), 2: Tile(64, 64, 32)}
-FP32_TACTICS = {3: Tile(16, 32, 16, num_stages=1)}
+# 48 KiB of shared memory and spill no registers on sm_80 and sm_90 (tests/test_trt_plugin.py).
+LOW_PRECISION_TACTICS = {1: Tile(16, 64, 32), 2: Tile(32, 64, 32)}
+FP32_TACTICS = {3: Tile(16, 16, 16, num_stages=1)}
 
 # trt.DataType member names -> kernel dtype names (by name, so this module needs no TensorRT).
 _TRT_DTYPE_NAMES = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16"}
@@ -102,13 +102,24 @@ def dtype_name(trt_dtype) -> str:
     return _TRT_DTYPE_NAMES[name]
 
 
-def static_dim(expr, what: str) -> int:
-    """The value of a shape expression that must be a build-time constant (head counts, head dim)."""
+def static_dim(desc, index: int, what: str) -> int:
+    """Build-time constant size of dimension ``index`` of a ``TensorDesc`` (head counts, head dim).
+
+    Read from the symbolic shape when TensorRT folded it to a constant, else from the descriptor's
+    concrete dims (static dimensions are not -1 there). These sizes are baked into the kernel.
+    """
+    expr = desc.shape_expr[index]
     if isinstance(expr, int):
         return expr
-    if not expr.is_constant:
+    if expr.is_constant:
+        return int(expr.constant_value())
+    try:
+        size = int(desc.shape[index])
+    except (AttributeError, ValueError):
+        size = -1
+    if size < 0:
         raise ValueError(f"{what} must be a static dimension in the ONNX graph (it is baked into the kernel)")
-    return int(expr.constant_value)
+    return size
 
 
 def launch_plan(spec: KernelSpec, kernel: PtxKernel, batch, num_new, capacity) -> dict[str, object]:
@@ -201,10 +212,9 @@ def _define_plugin(trt, trtp, sm: int) -> None:
                            cache_lengths: trtp.TensorDesc, tree_mask: trtp.TensorDesc,
                            scale: npt.NDArray[np.float32], outputs: Tuple[trtp.TensorDesc], tactic: int,
                            ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:
-        spec = kernel_spec(dtype_name(query.dtype), static_dim(query.shape_expr[1], "query heads"),
-                           static_dim(key_cache.shape_expr[1], "kv heads"),
-                           static_dim(query.shape_expr[3], "head dim"), float(np.asarray(scale).reshape(-1)[0]),
-                           tactic)
+        spec = kernel_spec(dtype_name(query.dtype), static_dim(query, 1, "query heads"),
+                           static_dim(key_cache, 1, "kv heads"), static_dim(query, 3, "head dim"),
+                           float(np.asarray(scale).reshape(-1)[0]), tactic)
         kernel = compile_cached(spec, sm)
         plan = launch_plan(spec, kernel, query.shape_expr[0], query.shape_expr[2], key_cache.shape_expr[2])
         launch = trtp.KernelLaunchParams()

@@ -92,8 +92,6 @@ class DraftWorker:
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def start(self, prompts: list[list[int]]) -> None:
-        if hasattr(self.draft, "pin_current_thread"):
-            self.draft.pin_current_thread()
         if self.config.draft_cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, set(self.config.draft_cores))
         self.draft.reset(len(prompts))

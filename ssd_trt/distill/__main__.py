@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sample-frac", type=float, default=0.3, help="share of prompt batches continued by sampling")
     ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of those batches")
     ap.add_argument("--topk", type=int, default=32, help="teacher logits kept per position")
+    ap.add_argument("--teacher-dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="target precision for generating training data (evaluation is always fp32)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1.5e-3)
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     t_start = time.time()
     torch.set_num_threads(a.gen_threads)
-    target, tok = load_target(a.target)
+    target, tok = load_target(a.target, torch.bfloat16 if a.teacher_dtype == "bf16" else torch.float32)
     prompts = build_prompts(load_corpora(a.corpora), a.prompts, a.seed)
     t0 = time.time()
     shards = label_prompts(target, tok, prompts, a.out / "teacher", max_new=a.max_new, sample_frac=a.sample_frac,

@@ -251,7 +251,12 @@ def init_from_target(model: DraftModel, target) -> float:
         raise ValueError(f"draft width {d} exceeds target width {E.shape[1]}")
     _, S, Vh = torch.linalg.svd(E, full_matrices=False)
     U = Vh[:d].T  # [D, d]
-    Ed = E @ U  # U is orthonormal, so row norms (and the tied-head logit scale) are kept
+    Ed = E @ U
+    # Rescale to the random-init scale (std 0.02). At the target's own scale the tied geometry
+    # makes the fresh draft predict "repeat the current token" with high confidence (its random
+    # layers barely change the residual stream), which measured worse than random init; at this
+    # scale the logits start soft and only the token-similarity structure is inherited.
+    Ed = Ed * (0.02 / Ed.std())
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(Ed)
         rows = Ed if model.lm_head_token_ids is None else Ed[model.lm_head_token_ids]

@@ -8,7 +8,6 @@ and the README: step time does not grow with unused capacity).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -40,11 +39,6 @@ class OrtEngine:
         self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
         self.cache: KVCache | None = None
         self._cache_values: list = []
-
-    def pin_current_thread(self) -> None:
-        """Run this engine's calls on its own cores (Linux: affects only the calling thread)."""
-        if self.cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, set(self.cores))
 
     def reset(self, batch: int) -> None:
         self.cache = KVCache(self.spec, batch)

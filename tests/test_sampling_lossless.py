@@ -1,0 +1,178 @@
+"""Sampling is lossless: every strategy's output distribution equals the target's, measured.
+
+Target and draft are trigram models (tests/trigram.py) with exact sequence probabilities. Each check
+draws many independent sequences (one per batch row) of length L and compares the empirical joint
+distribution of the L tokens with the exact one by total-variation distance. The threshold comes
+from the noise floor: E[TV] of an exact sampler with n draws is ~ 0.5 * sum_i sqrt(2 p_i (1-p_i) / (pi n)),
+and the test allows 1.5x that plus a small slack. A planted copy of the reference implementation's
+synchronous-mode bug (greedy acceptance, bonus sampled from p instead of the residual) must fail the
+same check -- proof that the test can see a bias of that size.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ssd_trt.decoding import saguaro as saguaro_module
+from ssd_trt.decoding import speculative as speculative_module
+from ssd_trt.decoding.batch import Sequences
+from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.sampling import Outcome, sample
+from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
+from ssd_trt.decoding.speculative import generate_speculative
+from tests.trigram import TrigramEngine, blend, random_log_table
+
+VOCAB, LENGTH, PROMPT = 5, 3, [0, 1]
+ROWS, CALLS = 2000, 4
+
+
+def exact_distribution(log_table: np.ndarray, temperature: float) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_L | prompt) under softmax(log p / T), computed directly from the table."""
+    z = log_table / temperature
+    cond = np.exp(z - z.max(-1, keepdims=True))
+    cond /= cond.sum(-1, keepdims=True)
+    out = {}
+    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
+        context, prob = list(PROMPT), 1.0
+        for token in seq:
+            prob *= cond[context[-2], context[-1], token]
+            context.append(token)
+        out[seq] = prob
+    return out
+
+
+def noise_floor(exact: dict, draws: int) -> float:
+    p = np.array(list(exact.values()))
+    return float(0.5 * np.sum(np.sqrt(2 * p * (1 - p) / (np.pi * draws))))
+
+
+def total_variation(samples: list[tuple[int, ...]], exact: dict) -> float:
+    counts: dict[tuple[int, ...], int] = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    n = len(samples)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
+
+
+def draw(strategy, temperature: float, seed: int) -> tuple[list[tuple[int, ...]], list[dict]]:
+    samples, stats = [], []
+    for call in range(CALLS):
+        params = SamplingParams(max_new_tokens=LENGTH, temperature=temperature, seed=seed + call,
+                                stop_on_eos=False)
+        seqs = Sequences(params, frozenset(), ROWS)
+        stats.append(strategy(seqs, np.random.default_rng(seed + call)))
+        samples += [tuple(t) for t in seqs.tokens]
+    return samples, stats
+
+
+TARGET = random_log_table(VOCAB, seed=0)
+DRAFT = blend(TARGET, random_log_table(VOCAB, seed=1), 0.6)   # related but different: partial acceptance
+
+
+def engines():
+    return TrigramEngine(TARGET, name="target"), TrigramEngine(DRAFT, name="draft")
+
+
+def run_sd(tree_widths=None, draft_len=2):
+    def strategy(seqs, rng):
+        target, draft = engines()
+        return generate_speculative(target, draft, [PROMPT] * ROWS, seqs, rng, draft_len=draft_len,
+                                    tree_widths=tree_widths)
+    return strategy
+
+
+def run_ssd(**config):
+    def strategy(seqs, rng):
+        target, draft = engines()
+        return generate_saguaro(target, draft, [PROMPT] * ROWS, seqs, rng,
+                                SaguaroConfig(**{"draft_len": 2, "fan_out_budget": 4, **config}))
+    return strategy
+
+
+def run_ar():
+    from ssd_trt.decoding.autoregressive import generate_autoregressive
+
+    def strategy(seqs, rng):
+        target, _ = engines()
+        return generate_autoregressive(target, [PROMPT] * ROWS, seqs, rng)
+    return strategy
+
+
+def assert_lossless(strategy, temperature: float, seed: int = 0) -> list[dict]:
+    exact = exact_distribution(TARGET, temperature)
+    samples, stats = draw(strategy, temperature, seed)
+    tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
+    assert tv < 1.5 * floor + 0.005, f"TV {tv:.4f} exceeds the noise-floor threshold ({floor:.4f})"
+    return stats
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_autoregressive_sampling_matches_target(temperature):
+    assert_lossless(run_ar(), temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_chain_ratio_acceptance_is_lossless(temperature):
+    stats = assert_lossless(run_sd(), temperature)
+    assert 0.2 < np.mean([s["acceptance_rate"] for s in stats]) < 0.95   # partial acceptance exercised
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_tree_verification_is_lossless(temperature):
+    assert_lossless(run_sd(tree_widths=[2, 2]), temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_ssd_cache_hits_and_jit_misses_are_lossless(temperature):
+    stats = assert_lossless(run_ssd(backup="jit"), temperature)
+    assert all(0 < s["cache_hit_rate"] < 1 for s in stats)        # both hits and misses happened
+    assert all(s["backup_rounds"].get("jit", 0) > 0 for s in stats)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_ssd_ngram_backup_misses_are_lossless(temperature):
+    stats = assert_lossless(run_ssd(backup="ngram"), temperature)
+    assert all(s["backup_rounds"].get("ngram", 0) > 0 for s in stats)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_saguaro_sampling_with_c_below_one_is_lossless(temperature):
+    assert_lossless(run_ssd(saguaro_c=0.3, backup="jit"), temperature)
+
+
+def test_non_uniform_fan_out_is_lossless():
+    # a strongly geometric shape: acceptance prior far from uniform, budget larger than K+1
+    stats = assert_lossless(run_ssd(draft_len=3, fan_out_budget=9, prior_acceptance=0.2, saguaro_c=0.5), 1.0)
+    shapes = [s["fan_out"]["primary"]["shape"] for s in stats if "primary" in s["fan_out"]]
+    assert shapes and all(len(set(shape)) > 1 for shape in shapes)
+
+
+def test_saguaro_c_moves_bonus_tokens_into_the_cache():
+    """Lower C should raise the cache hit rate (the point of Saguaro sampling), at T = 1."""
+    rates = {}
+    for c in (1.0, 0.2):
+        _, stats = draw(run_ssd(saguaro_c=c, backup="jit"), 1.0, seed=5)
+        rates[c] = np.mean([s["cache_hit_rate"] for s in stats])
+    assert rates[0.2] > rates[1.0]
+
+
+def planted_reference_bug(draft_tokens, draft_probs, target_logits, params, rng):
+    """The reference code's synchronous-mode verification at T > 0: greedy acceptance, and the bonus
+    drawn from p itself instead of norm(max(0, p - q)). Biased (TV ~ 0.06 in the paper's setting)."""
+    from ssd_trt.decoding.sampling import processed_probs
+    for i, token in enumerate(draft_tokens):
+        p = processed_probs(target_logits[i], params)
+        if token != int(np.argmax(p)):
+            return Outcome(i, sample(p, rng))
+    return Outcome(len(draft_tokens), sample(processed_probs(target_logits[-1], params), rng))
+
+
+def test_the_check_catches_the_reference_bias_bug(monkeypatch):
+    monkeypatch.setattr(speculative_module, "verify_chain", planted_reference_bug)
+    exact = exact_distribution(TARGET, 1.0)
+    samples, _ = draw(run_sd(), 1.0, seed=0)
+    tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
+    assert tv > 1.5 * floor + 0.005, f"planted bias went unnoticed: TV {tv:.4f}, floor {floor:.4f}"
+    assert saguaro_module.verify_chain is not planted_reference_bug
