@@ -103,7 +103,10 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> P
         bar.update()
     for role in ROLES:
         step(f"export {role}")
-        paths = save_flavours(trace_step_graph(models[role]), out / role)
+        traced = trace_step_graph(models[role])
+        precision = recipe.engine.trt_precision
+        trt_traced = None if precision == "fp32" else trace_step_graph(half_copy(models[role], precision))
+        paths = save_flavours(traced, out / role, trt_traced)
         for flavour, path in paths.items():
             artifacts.append({"role": role, "flavour": flavour, **artifact_entry(out, path)})
         bar.update()
@@ -133,6 +136,14 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> P
     }
     write_manifest(out, manifest)
     return out
+
+
+def half_copy(model, precision: str):
+    """The model in the TensorRT precision (TensorRT 10+/11 builds strongly typed from the ONNX types)."""
+    import copy
+
+    import torch
+    return copy.deepcopy(model).to({"fp16": torch.float16, "bf16": torch.bfloat16}[precision])
 
 
 def _jsonable(value: Any) -> Any:

@@ -68,6 +68,7 @@ class Generator:
         eos = target_cfg.get("eos_token_id")
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._engines: dict[str, Any] = {}
+        self._tensorrt: tuple[bool, str] | None = None
 
     # -- engines -------------------------------------------------------------------------------
     def spec(self, role: str) -> EngineSpec:
@@ -76,7 +77,28 @@ class Generator:
                           num_kv_heads=c["num_kv_heads"], head_dim=c["head_dim"],
                           max_batch=self.limits["max_batch"], max_context=self.limits["max_context"])
 
+    def backend(self, role: str) -> str:
+        """'trt' when the recipe allows it, an engine.plan exists and TensorRT + a GPU are usable."""
+        wanted = self.limits.get("backend", "auto")
+        if wanted == "ort" or not (self.root / role / "engine.plan").is_file():
+            if wanted == "trt":
+                raise ArtifactError(f"{self.root / role} has no TensorRT engine (engine.plan); build on a GPU "
+                                    f"host with TensorRT, or set engine.backend to 'auto' or 'ort'")
+            return "ort"
+        if self._tensorrt is None:
+            from ssd_trt.trt.availability import probe_tensorrt
+            self._tensorrt = probe_tensorrt()          # (available, reason), probed in a subprocess
+        if not self._tensorrt[0] and wanted == "trt":
+            raise ArtifactError(f"recipe asks for TensorRT but it cannot run here: {self._tensorrt[1]}")
+        return "trt" if self._tensorrt[0] else "ort"
+
     def engine(self, role: str):
+        if role not in self._engines and self.backend(role) == "trt":
+            import torch
+            from ssd_trt.trt.engine import TensorRTEngine, place_draft_and_target
+            draft_place, target_place = place_draft_and_target(torch.cuda.device_count())
+            self._engines[role] = TensorRTEngine(self.root / role / "engine.plan", self.spec(role), name=role,
+                                                 placement=target_place if role == "target" else draft_place)
         if role not in self._engines:
             from ssd_trt.engines.ort import OrtEngine
             threads = self.options.target_threads if role == "target" else self.options.draft_threads

@@ -107,18 +107,27 @@ def trt_flavour(traced: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def save_flavours(traced: onnx.ModelProto, out_dir: Path, weights_file: str = "weights.bin") -> dict[str, Path]:
-    """Write model.ort.onnx and model.trt.onnx sharing one external weights file."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (out_dir / weights_file,):
-        stale.unlink(missing_ok=True)
+def _externalise(traced: onnx.ModelProto, out_dir: Path, weights_file: str) -> onnx.ModelProto:
+    """Move weights into ``out_dir/weights_file`` (written once); return the proto that points at it."""
+    (out_dir / weights_file).unlink(missing_ok=True)
     shared = onnx.ModelProto()
     shared.CopyFrom(traced)
     external_data_helper.convert_model_to_external_data(shared, all_tensors_to_one_file=True,
                                                         location=weights_file, size_threshold=1024)
-    external_data_helper.write_external_data_tensors(shared, str(out_dir))  # writes weights once
-    paths = {"ort": out_dir / "model.ort.onnx", "trt": out_dir / "model.trt.onnx"}
+    external_data_helper.write_external_data_tensors(shared, str(out_dir))
+    return shared
+
+
+def save_flavours(traced: onnx.ModelProto, out_dir: Path, trt_traced: onnx.ModelProto | None = None
+                  ) -> dict[str, Path]:
+    """Write model.ort.onnx (fp32) and model.trt.onnx. With one trace both share ``weights.bin``;
+    ``trt_traced`` (the model traced in the recipe's TensorRT precision) gets ``weights.trt.bin``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shared = _externalise(traced, out_dir, "weights.bin")
+    paths = {"ort": out_dir / "model.ort.onnx", "trt": out_dir / "model.trt.onnx", "weights": out_dir / "weights.bin"}
     onnx.save_model(ort_flavour(shared), paths["ort"])
+    if trt_traced is not None:
+        shared = _externalise(trt_traced, out_dir, "weights.trt.bin")
+        paths["trt_weights"] = out_dir / "weights.trt.bin"
     onnx.save_model(trt_flavour(shared), paths["trt"])
-    paths["weights"] = out_dir / weights_file
     return paths

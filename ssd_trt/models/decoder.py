@@ -145,8 +145,8 @@ class Decoder(nn.Module):
             raise ValueError(f"expected {2 * self.config.num_layers} cache tensors, got {len(caches)}")
         angles = position_ids.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]          # [B, 1, T, D]
-        cos, sin = angles.cos(), angles.sin()
         x = self.embed_tokens(input_ids)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         new_caches: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             x, key_cache, value_cache = layer(x, cos, sin, cache_lengths, tree_mask,
@@ -157,4 +157,5 @@ class Decoder(nn.Module):
     def empty_caches(self, batch: int, capacity: int) -> list[torch.Tensor]:
         c = self.config
         shape = (batch, c.num_kv_heads, capacity, c.head_dim)
-        return [torch.zeros(shape) for _ in range(2 * c.num_layers)]
+        dtype = self.embed_tokens.weight.dtype
+        return [torch.zeros(shape, dtype=dtype) for _ in range(2 * c.num_layers)]

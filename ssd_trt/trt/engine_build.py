@@ -21,6 +21,7 @@ from pathlib import Path
 import onnx
 
 from plugins.tree_attention.trt_plugin import PLUGIN_ID, PLUGIN_NAME, validate_onnx_node
+from ssd_trt.manifest import sha256_file
 from ssd_trt.trt.availability import probe_tensorrt
 from ssd_trt.trt.bindings import BindingLayout
 from ssd_trt.trt.profiles import Profile, ProfileLimits, derive_profiles
@@ -63,14 +64,6 @@ def profile_table(layout: BindingLayout, limits: ProfileLimits,
     """Each optimisation profile with the (min, opt, max) shape of every graph input."""
     return [(profile, layout.input_ranges(profile, limits)) for profile in derive_profiles(limits)]
 
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def manifest_entry(out_path: Path, table, precision: str, trt_version: str, sm: int, seconds: float,
