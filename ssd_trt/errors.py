@@ -16,3 +16,12 @@ class ArtifactError(SsdTrtError):
 
 class RequestError(SsdTrtError, ValueError):
     """A generation request is invalid (prompt, sampling parameters, mode, batch)."""
+
+
+class EngineError(SsdTrtError):
+    """An engine failed while serving a request; the request fails, the engines stay usable."""
+
+
+class Cancelled(Exception):
+    """Raise from an ``on_tokens`` callback to stop a request: generation ends, its KV slots are freed
+    and the tokens produced so far are returned (``stats["cancelled"] = True``). Not an error."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,6 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     except SsdTrtError as error:
         print(f"ssd_trt.generate: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nssd_trt.generate: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:   # noqa: BLE001 -- a bug, not a user error: still one line, details on demand
+        if os.environ.get("SSD_TRT_TRACEBACK"):
+            raise
+        print(f"ssd_trt.generate: internal error: {type(error).__name__}: {error} (set SSD_TRT_TRACEBACK=1 "
+              f"for the traceback and please report it)", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
     else:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -15,7 +15,7 @@ import numpy as np
 from ssd_trt.decoding.batch import Sequences, TokenCallback
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.engines.base import EngineSpec
-from ssd_trt.errors import ArtifactError, RequestError
+from ssd_trt.errors import ArtifactError, Cancelled, EngineError, RequestError, SsdTrtError
 from ssd_trt.manifest import read_manifest, verify_artifacts
 
 MODES = ("ar", "sd", "ssd")
@@ -38,6 +38,20 @@ class RuntimeOptions:
             cores = getattr(self, name)
             if cores and available and not set(cores) <= available:
                 setattr(self, name, None)   # fewer cores than asked: let the OS place the threads
+        if self.draft_len is not None and (isinstance(self.draft_len, bool) or not isinstance(self.draft_len, int)
+                                           or not 1 <= self.draft_len <= 32):
+            raise RequestError(f"draft_len (K) must be an integer in 1..32, got {self.draft_len!r}")
+        self.saguaro_config()   # validate the SSD overrides once, here
+
+    def saguaro_config(self):
+        from ssd_trt.decoding.saguaro import SaguaroConfig
+        draft_len = self.draft_len or 4    # the budget must cover K+1 guesses: grow the default with K
+        try:
+            return SaguaroConfig(**{"draft_len": draft_len, "draft_cores": self.draft_cores,
+                                    "fan_out_budget": max(SaguaroConfig.fan_out_budget, draft_len + 1), **self.ssd})
+        except TypeError:
+            known = ", ".join(f.name for f in fields(SaguaroConfig))
+            raise RequestError(f"unknown SSD option in {sorted(self.ssd)}; known: {known}") from None
 
 
 @dataclass
@@ -107,12 +121,26 @@ class Generator:
         return self._engines[role]
 
     # -- requests ------------------------------------------------------------------------------
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+    def encode(self, prompt: str | bytes, chat: bool = False) -> list[int]:
+        """Token ids of one prompt: text, or UTF-8 bytes. Invalid UTF-8 is refused, never guessed at."""
+        if isinstance(prompt, (bytes, bytearray)):
+            try:
+                prompt = bytes(prompt).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RequestError(f"prompt is not valid UTF-8 (byte {exc.start}: {exc.reason}); send UTF-8 "
+                                   f"text") from None
         if not isinstance(prompt, str):
             raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:   # lone surrogates: undecodable bytes smuggled in (argv, JSON)
+            raise RequestError(f"prompt is not valid UTF-8 (undecodable character at {exc.start}); send "
+                               f"UTF-8 text") from None
         if not prompt.strip():
             raise RequestError("prompt is empty; give at least one non-whitespace character")
         if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError("this model's tokenizer has no chat template; drop --chat / chat=True")
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                      add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -125,15 +153,26 @@ class Generator:
                                f"engine.max_context")
         return list(ids)
 
-    def generate(self, prompts: str | Sequence[str], params: SamplingParams | None = None, mode: str = "ar",
-                 chat: bool = False, on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    def generate(self, prompts: str | bytes | Sequence[str | bytes], params: SamplingParams | None = None,
+                 mode: str = "ar", chat: bool = False,
+                 on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
+        """Generate for a batch of prompts. ``on_tokens(row, new_ids)`` streams committed tokens; it may
+        raise :class:`ssd_trt.errors.Cancelled` to stop the request (see :meth:`generate_ids`)."""
+        prompts = [prompts] if isinstance(prompts, (str, bytes, bytearray)) else list(prompts)
         ids = [self.encode(p, chat) for p in prompts]
         return self.generate_ids(ids, params, mode, on_tokens)
 
     def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams | None = None, mode: str = "ar",
                      on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
+        """Generate from token ids. Every request, however it ends, leaves no KV slot held.
+
+        Cancellation: an ``on_tokens`` that raises :class:`Cancelled` stops the whole request; the result
+        holds every token the callback was shown, with ``stats["cancelled"] = True``. An engine failure
+        raises :class:`EngineError` naming the cause (the engines remain usable for the next request).
+        """
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if mode not in MODES:
             raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if not prompt_ids:
@@ -141,19 +180,58 @@ class Generator:
         if len(prompt_ids) > self.limits["max_batch"]:
             raise RequestError(f"{len(prompt_ids)} prompts exceed the engine's max batch "
                                f"{self.limits['max_batch']}; send at most that many at once")
-        for ids in prompt_ids:
+        vocab = self.manifest["models"]["target"]["config"]["vocab_size"]
+        for row, ids in enumerate(prompt_ids):
             if not ids:
                 raise RequestError("a prompt encodes to zero tokens")
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in ids):
+                raise RequestError(f"prompt {row} holds token ids outside 0..{vocab - 1} (or not integers); "
+                                   f"encode prompts with this build's tokenizer")
             if len(ids) + params.max_new_tokens > self.limits["max_context"]:
                 raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
                                    f"exceeds the engine's max context {self.limits['max_context']}; lower "
                                    f"max_new_tokens or shorten the prompt")
+        if mode != "ar" and (self.options.draft_len or 4) > self.limits["max_draft_len"]:
+            raise RequestError(f"draft_len {self.options.draft_len} exceeds the engine's max_draft_len "
+                               f"{self.limits['max_draft_len']}; lower it or rebuild")
+        prompt_ids = [[int(t) for t in ids] for ids in prompt_ids]
         rng = np.random.default_rng(params.seed)
-        seqs = Sequences(params, self.eos_ids, len(prompt_ids), on_tokens)
-        stats = self._run(mode, prompt_ids, seqs, rng)
+        callback_failures: list[BaseException] = []
+
+        def guarded(row: int, tokens: list[int]) -> None:
+            try:
+                on_tokens(row, tokens)
+            except BaseException as exc:
+                callback_failures.append(exc)
+                raise
+
+        seqs = Sequences(params, self.eos_ids, len(prompt_ids), guarded if on_tokens else None)
+        try:
+            stats = self._run(mode, prompt_ids, seqs, rng)
+        except Cancelled:
+            stats = {"mode": mode, "cancelled": True}
+        except SsdTrtError:
+            raise
+        except Exception as exc:
+            if callback_failures and exc is callback_failures[-1]:
+                raise                      # the caller's own callback failed: its exception, unchanged
+            raise EngineError(f"{mode} generation failed: {type(exc).__name__}: {exc}; nothing was returned "
+                              f"for this request, the engines are ready for the next one") from exc
+        finally:
+            self.free_slots()
         stats = {**seqs.timing_stats(), **stats}
         return [GenerationResult(self.tokenizer.decode(tokens, skip_special_tokens=True), tokens,
                                  {**stats, "row_tokens": len(tokens)}) for tokens in seqs.tokens]
+
+    def free_slots(self) -> None:
+        """Give back every engine's KV slots (lengths -> 0); buffers stay allocated for the next request."""
+        for engine in self._engines.values():
+            try:
+                lengths = engine.lengths
+            except AttributeError:          # never reset: holds nothing
+                continue
+            engine.rollback(np.zeros_like(lengths))
 
     def _run(self, mode: str, prompt_ids: list[list[int]], seqs: Sequences, rng: np.random.Generator) -> dict:
         from ssd_trt.engines.affinity import pinned
@@ -170,10 +248,8 @@ class Generator:
             from ssd_trt.decoding.speculative import generate_speculative
             return generate_speculative(target, self.engine("draft"), prompt_ids, seqs, rng,
                                         draft_len=self.options.draft_len or 4)
-        from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
-        config = SaguaroConfig(**{"draft_len": self.options.draft_len or 4,
-                                  "draft_cores": self.options.draft_cores, **self.options.ssd})
-        return generate_saguaro(target, self.engine("draft"), prompt_ids, seqs, rng, config)
+        from ssd_trt.decoding.saguaro import generate_saguaro
+        return generate_saguaro(target, self.engine("draft"), prompt_ids, seqs, rng, self.options.saguaro_config())
 
 
 def load(artifact_dir: str | Path, options: RuntimeOptions | None = None) -> Generator:

@@ -130,7 +130,7 @@ def test_distillation_lowers_loss(samples, target, tmp_path):
     # a random-weight teacher on random prompts does not generalise to held-out text, but the
     # draft must be able to fit its training set: the training KD loss has to fall clearly
     assert losses[-1] < losses[0] - 1.0, losses
-    assert evals[-1]["loss"] < evals[0]["loss"]
+    assert len(evals) >= 2 and all(0.0 <= e["agree"] <= 1.0 for e in evals)
     assert (tmp_path / "best" / "model.safetensors").exists() and (tmp_path / "ckpt.pt").exists()
 
 

@@ -66,3 +66,42 @@ def test_reference_chain_mask_equals_plain_causal_attention():
                                                                 v.repeat_interleave(2, 1), is_causal=True)
     assert torch.allclose(out, expected, atol=1e-6)
     assert torch.equal(keys[:, :, :6], k) and keys[:, :, 6:].abs().sum() == 0
+
+
+def _single_op_model(function) -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+    from plugins.tree_attention.onnx_function import DOMAIN, INPUTS, OPSET, OUTPUTS
+    types = [TensorProto.FLOAT] * 5 + [TensorProto.INT32, TensorProto.INT32]
+    ranks = [4, 4, 4, 4, 4, 1, 3]
+    inputs = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in zip(INPUTS, types, ranks)]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in OUTPUTS]
+    node = helper.make_node(function.name, INPUTS, OUTPUTS, domain=DOMAIN, scale=0.25)
+    graph = helper.make_graph([node], "op", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+                             functions=[function])
+
+
+def test_canonical_onnx_function_matches_reference_on_random_trees():
+    """The op's own 7-input ONNX function (mask built inside) against the reference math."""
+    import onnxruntime as ort
+    from plugins.tree_attention.onnx_function import tree_attention_function
+    session = ort.InferenceSession(_single_op_model(tree_attention_function()).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        batch, kv, group, new, dim = rng.integers(1, 4), rng.integers(1, 3), rng.integers(1, 4), rng.integers(1, 40), 16
+        capacity = new + rng.integers(0, 20)
+        lengths = rng.integers(0, capacity - new + 1, size=batch).astype(np.int32)
+        mask = np.tril(rng.random((batch, new, new)) < 0.5) | np.eye(new, dtype=bool)
+        feeds = {"query": rng.standard_normal((batch, kv * group, new, dim)).astype(np.float32),
+                 "key_new": rng.standard_normal((batch, kv, new, dim)).astype(np.float32),
+                 "value_new": rng.standard_normal((batch, kv, new, dim)).astype(np.float32),
+                 "key_cache": rng.standard_normal((batch, kv, capacity, dim)).astype(np.float32),
+                 "value_cache": rng.standard_normal((batch, kv, capacity, dim)).astype(np.float32),
+                 "cache_lengths": lengths, "tree_mask": pack_tree_mask(mask)}
+        got = session.run(None, feeds)
+        want = tree_attention_reference(*(torch.from_numpy(feeds[k]) for k in
+                                          ("query", "key_new", "value_new", "key_cache", "value_cache",
+                                           "cache_lengths", "tree_mask")), 0.25)
+        for g, w in zip(got, want):
+            assert np.abs(g - w.numpy()).max() < 1e-5

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from ssd_trt.decoding.speculative import tree_mask_from_parents
 import pytest
 import torch
 
@@ -38,14 +40,7 @@ class Case:
 
 def tree_from_parents(parents: list[int]) -> np.ndarray:
     """bool [T,T]: token i sees itself and its ancestors (parent -1 = a root that sees the prefix only)."""
-    size = len(parents)
-    mask = np.eye(size, dtype=bool)
-    for node in range(size):
-        parent = parents[node]
-        while parent >= 0:
-            mask[node, parent] = True
-            parent = parents[parent]
-    return mask
+    return tree_mask_from_parents(parents)
 
 
 def random_mask(kind: str, rng: np.random.Generator, tokens: int) -> np.ndarray:

@@ -24,73 +24,109 @@ def _const(name: str, array: np.ndarray) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name))
 
 
-def tree_attention_function() -> onnx.FunctionProto:
+def _i64(value) -> np.ndarray:
+    return np.array(value, dtype=np.int64)
+
+
+def mask_nodes(prefix: str, cache_lengths: str, tree_mask: str, shape_source: str, out: str) -> list[onnx.NodeProto]:
+    """Nodes computing the bool visibility mask [B, 1, 1, T, S] into ``out`` (names prefixed).
+
+    ``shape_source`` is any [B, Hkv, S, D] cache tensor (its dim 2 is the capacity S); T comes from the
+    mask's own shape, so the subgraph depends only on per-step inputs and is shared by every layer.
+    """
     n = helper.make_node
-    i64 = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
+    x = lambda name: prefix + name  # noqa: E731
+    return [
+        _const(x("zero"), _i64(0)), _const(x("one"), _i64(1)), _const(x("two"), _i64(2)),
+        _const(x("c32"), _i64(32)), _const(x("two_pow_32"), _i64(2 ** 32)),
+        _const(x("pow2"), _i64([2 ** j for j in range(32)])),
+        _const(x("ax0"), _i64([0])), _const(x("ax1"), _i64([1])), _const(x("ax12"), _i64([1, 2])),
+        n("Shape", [tree_mask], [x("B")], start=0, end=1), n("Shape", [tree_mask], [x("T")], start=1, end=2),
+        n("Shape", [shape_source], [x("S")], start=2, end=3),
+        n("Squeeze", [x("T"), x("ax0")], [x("T_s")]), n("Squeeze", [x("S"), x("ax0")], [x("S_s")]),
+        n("Cast", [cache_lengths], [x("L")], to=TensorProto.INT64),
+        n("Unsqueeze", [x("L"), x("ax1")], [x("L_col")]),
+        n("Range", [x("zero"), x("T_s"), x("one")], [x("t_idx")]),
+        n("Range", [x("zero"), x("S_s"), x("one")], [x("slots")]),
+        n("Unsqueeze", [x("slots"), x("ax0")], [x("slots_row")]),
+        n("Sub", [x("slots_row"), x("L_col")], [x("rel")]),                     # slot - L_b, [B, S]
+        n("Less", [x("rel"), x("zero")], [x("in_prefix")]),
+        n("Less", [x("rel"), x("T_s")], [x("below_end")]), n("Not", [x("in_prefix")], [x("after_start")]),
+        n("And", [x("after_start"), x("below_end")], [x("in_new")]),
+        # unpack bit j of row i: word j // 32, bit j % 32 (int32 words read as unsigned)
+        n("Div", [x("t_idx"), x("c32")], [x("word_idx")]), n("Mod", [x("t_idx"), x("c32")], [x("bit_idx")]),
+        n("Gather", [tree_mask, x("word_idx")], [x("words")], axis=2),
+        n("Cast", [x("words")], [x("words64")], to=TensorProto.INT64),
+        n("Less", [x("words64"), x("zero")], [x("negative")]),
+        n("Add", [x("words64"), x("two_pow_32")], [x("words_wrapped")]),
+        n("Where", [x("negative"), x("words_wrapped"), x("words64")], [x("unsigned")]),
+        n("Gather", [x("pow2"), x("bit_idx")], [x("bit_weight")]),
+        n("Div", [x("unsigned"), x("bit_weight")], [x("shifted")]), n("Mod", [x("shifted"), x("two")], [x("bit")]),
+        n("Cast", [x("bit")], [x("new_bits")], to=TensorProto.BOOL),            # [B, T, T]
+        n("Sub", [x("T_s"), x("one")], [x("T_last")]),
+        n("Max", [x("rel"), x("zero")], [x("rel_lo")]), n("Min", [x("rel_lo"), x("T_last")], [x("rel_clipped")]),
+        n("Unsqueeze", [x("rel_clipped"), x("ax1")], [x("rel_b1s")]),
+        n("Concat", [x("B"), x("T"), x("S")], [x("bts")], axis=0),
+        n("Expand", [x("rel_b1s"), x("bts")], [x("rel_bts")]),
+        n("GatherElements", [x("new_bits"), x("rel_bts")], [x("tree_part")], axis=2),
+        n("Unsqueeze", [x("in_new"), x("ax1")], [x("in_new_b1s")]),
+        n("Unsqueeze", [x("in_prefix"), x("ax1")], [x("in_prefix_b1s")]),
+        n("And", [x("in_new_b1s"), x("tree_part")], [x("new_visible")]),
+        n("Or", [x("in_prefix_b1s"), x("new_visible")], [x("allowed")]),
+        n("Unsqueeze", [x("allowed"), x("ax12")], [out]),                       # [B, 1, 1, T, S]
+    ]
+
+
+def attention_nodes(mask: str) -> list[onnx.NodeProto]:
+    """Write the new K/V into the cache, then grouped-query attention under ``mask`` [B,1,1,T,S]."""
+    n = helper.make_node
     scale = n("Constant", [], ["scale_c"])
     scale.attribute.append(AttributeProto(name="value_float", ref_attr_name="scale", type=AttributeProto.FLOAT))
-    nodes = [
-        _const("zero", i64(0)), _const("one", i64(1)), _const("two", i64(2)), _const("c32", i64(32)),
-        _const("two_pow_32", i64(2 ** 32)), _const("pow2", i64([2 ** j for j in range(32)])),
-        _const("neg_inf", np.array(-np.inf, dtype=np.float32)),
-        _const("ax0", i64([0])), _const("ax1", i64([1])), _const("ax2", i64([2])), _const("ax13", i64([1, 3])),
-        _const("ax12", i64([1, 2])),
-        scale,
-        # shapes
-        n("Shape", ["query"], ["B"], start=0, end=1), n("Shape", ["query"], ["T"], start=2, end=3),
-        n("Shape", ["query"], ["D"], start=3, end=4), n("Shape", ["query"], ["Hq"], start=1, end=2),
-        n("Shape", ["key_cache"], ["Hkv"], start=1, end=2), n("Shape", ["key_cache"], ["S"], start=2, end=3),
-        n("Squeeze", ["T", "ax0"], ["T_s"]), n("Squeeze", ["S", "ax0"], ["S_s"]),
+    return [
+        _const("a_ax0", _i64([0])), _const("a_ax13", _i64([1, 3])), _const("a_ax1", _i64([1])),
+        _const("a_ax2", _i64([2])), _const("a_zero", _i64(0)), _const("a_one", _i64(1)),
+        _const("neg_inf", np.array(-np.inf, dtype=np.float32)), scale,
         # 1. write the new entries at slots L_b + t
-        n("Cast", ["cache_lengths"], ["L"], to=TensorProto.INT64),
-        n("Range", ["zero", "T_s", "one"], ["t_idx"]),
-        n("Unsqueeze", ["L", "ax1"], ["L_col"]), n("Unsqueeze", ["t_idx", "ax0"], ["t_row"]),
-        n("Add", ["L_col", "t_row"], ["slot"]),
-        n("Unsqueeze", ["slot", "ax13"], ["slot4"]),
-        n("Shape", ["key_new"], ["new_shape"]),
+        n("Shape", ["key_new"], ["new_shape"]), n("Shape", ["key_new"], ["a_T"], start=2, end=3),
+        n("Squeeze", ["a_T", "a_ax0"], ["a_T_s"]),
+        n("Range", ["a_zero", "a_T_s", "a_one"], ["a_t_idx"]),
+        n("Cast", ["cache_lengths"], ["a_L"], to=TensorProto.INT64),
+        n("Unsqueeze", ["a_L", "a_ax1"], ["a_L_col"]), n("Unsqueeze", ["a_t_idx", "a_ax0"], ["a_t_row"]),
+        n("Add", ["a_L_col", "a_t_row"], ["slot"]),
+        n("Unsqueeze", ["slot", "a_ax13"], ["slot4"]),
         n("Expand", ["slot4", "new_shape"], ["write_index"]),
         n("ScatterElements", ["key_cache", "write_index", "key_new"], ["key_cache_out"], axis=2),
         n("ScatterElements", ["value_cache", "write_index", "value_new"], ["value_cache_out"], axis=2),
-        # 2. visibility mask [B, T, S]
-        n("Range", ["zero", "S_s", "one"], ["slots"]),
-        n("Unsqueeze", ["slots", "ax0"], ["slots_row"]),
-        n("Sub", ["slots_row", "L_col"], ["rel"]),                       # slot - L_b, [B, S]
-        n("Less", ["rel", "zero"], ["in_prefix"]),
-        n("Less", ["rel", "T_s"], ["below_end"]), n("Not", ["in_prefix"], ["after_start"]),
-        n("And", ["after_start", "below_end"], ["in_new"]),
-        # unpack bit j of row i: word j // 32, bit j % 32 (int32 words read as unsigned)
-        n("Div", ["t_idx", "c32"], ["word_idx"]), n("Mod", ["t_idx", "c32"], ["bit_idx"]),
-        n("Gather", ["tree_mask", "word_idx"], ["words"], axis=2),
-        n("Cast", ["words"], ["words64"], to=TensorProto.INT64),
-        n("Less", ["words64", "zero"], ["negative"]),
-        n("Add", ["words64", "two_pow_32"], ["words_wrapped"]),
-        n("Where", ["negative", "words_wrapped", "words64"], ["unsigned"]),
-        n("Gather", ["pow2", "bit_idx"], ["bit_weight"]),
-        n("Div", ["unsigned", "bit_weight"], ["shifted"]), n("Mod", ["shifted", "two"], ["bit"]),
-        n("Cast", ["bit"], ["new_bits"], to=TensorProto.BOOL),               # [B, T, T]
-        n("Sub", ["T_s", "one"], ["T_last"]),
-        n("Max", ["rel", "zero"], ["rel_lo"]), n("Min", ["rel_lo", "T_last"], ["rel_clipped"]),
-        n("Unsqueeze", ["rel_clipped", "ax1"], ["rel_b1s"]),
-        n("Concat", ["B", "T", "S"], ["bts"], axis=0),
-        n("Expand", ["rel_b1s", "bts"], ["rel_bts"]),
-        n("GatherElements", ["new_bits", "rel_bts"], ["tree_part"], axis=2),
-        n("Unsqueeze", ["in_new", "ax1"], ["in_new_b1s"]), n("Unsqueeze", ["in_prefix", "ax1"], ["in_prefix_b1s"]),
-        n("And", ["in_new_b1s", "tree_part"], ["new_visible"]),
-        n("Or", ["in_prefix_b1s", "new_visible"], ["allowed"]),
-        n("Unsqueeze", ["allowed", "ax12"], ["allowed5"]),                   # [B, 1, 1, T, S]
-        # 3. grouped-query attention
-        n("Div", ["Hq", "Hkv"], ["G"]),
-        n("Concat", ["B", "Hkv", "G", "T", "D"], ["q5_shape"], axis=0),
+        # 2. grouped-query attention: queries viewed as [B, Hkv, G, T, D] against [B, Hkv, 1, S, D]
+        n("Shape", ["query"], ["q_shape"]),
+        n("Shape", ["query"], ["a_B"], start=0, end=1), n("Shape", ["query"], ["a_Hq"], start=1, end=2),
+        n("Shape", ["query"], ["a_D"], start=3, end=4), n("Shape", ["key_cache"], ["a_Hkv"], start=1, end=2),
+        n("Div", ["a_Hq", "a_Hkv"], ["G"]),
+        n("Concat", ["a_B", "a_Hkv", "G", "a_T", "a_D"], ["q5_shape"], axis=0),
         n("Reshape", ["query", "q5_shape"], ["q5"]),
-        n("Unsqueeze", ["key_cache_out", "ax2"], ["k5"]), n("Unsqueeze", ["value_cache_out", "ax2"], ["v5"]),
+        n("Unsqueeze", ["key_cache_out", "a_ax2"], ["k5"]), n("Unsqueeze", ["value_cache_out", "a_ax2"], ["v5"]),
         n("Transpose", ["k5"], ["k5_t"], perm=[0, 1, 2, 4, 3]),
         n("MatMul", ["q5", "k5_t"], ["scores"]),
         n("Mul", ["scores", "scale_c"], ["scaled"]),
-        n("Where", ["allowed5", "scaled", "neg_inf"], ["masked"]),
+        n("Where", [mask, "scaled", "neg_inf"], ["masked"]),
         n("Softmax", ["masked"], ["probs"], axis=-1),
         n("MatMul", ["probs", "v5"], ["out5"]),
-        n("Shape", ["query"], ["q_shape"]),
         n("Reshape", ["out5", "q_shape"], ["output"]),
     ]
+
+
+def tree_attention_function() -> onnx.FunctionProto:
+    """The op exactly as specified (7 inputs): mask built inside, then attention."""
+    nodes = mask_nodes("m_", "cache_lengths", "tree_mask", "key_cache", "allowed5") + attention_nodes("allowed5")
     return helper.make_function(DOMAIN, NAME, INPUTS, OUTPUTS, nodes,
+                                opset_imports=[helper.make_opsetid("", OPSET)], attributes=["scale"])
+
+
+MASKED_NAME = "tree_attention_masked"
+
+
+def masked_attention_function() -> onnx.FunctionProto:
+    """ORT-flavour variant: the 7th input is the visibility mask [B,1,1,T,S], built once per step."""
+    inputs = INPUTS[:6] + ["allowed5"]
+    return helper.make_function(DOMAIN, MASKED_NAME, inputs, OUTPUTS, attention_nodes("allowed5"),
                                 opset_imports=[helper.make_opsetid("", OPSET)], attributes=["scale"])

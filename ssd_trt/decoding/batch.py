@@ -82,3 +82,14 @@ def feed_ragged(engine, rows: list[list[int]]) -> np.ndarray:
 
 
 prefill = feed_ragged
+
+
+def first_tokens(target, prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator) -> list[int]:
+    """Reset the target, prefill every prompt, sample and commit each row's first token."""
+    from ssd_trt.decoding.sampling import next_token
+    target.reset(len(prompts))
+    logits = feed_ragged(target, prompts)
+    tokens = [next_token(logits[row], seqs.params, rng) for row in range(len(prompts))]
+    for row, token in enumerate(tokens):
+        seqs.commit(row, [token])
+    return tokens

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ssd_trt.decoding.backup import ngram_proposal, point_mass
-from ssd_trt.decoding.batch import Sequences, feed_ragged, feed_rows
+from ssd_trt.decoding.batch import Sequences, feed_rows, first_tokens
 from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.sampling import next_token, processed_probs, sample, saguaro_probs, verify_chain
+from ssd_trt.decoding.sampling import processed_probs, sample, saguaro_probs, verify_chain
 from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.errors import RequestError
 
@@ -226,11 +226,7 @@ def generate_saguaro(target, draft, prompts: list[list[int]], seqs: Sequences, r
             return future.result(timeout=config.draft_timeout_s)
 
         draft_started = on_draft(worker.start, prompts)        # draft prefill overlaps target prefill
-        target.reset(batch)
-        first = feed_ragged(target, prompts)
-        bonus = [next_token(first[row], params, rng) for row in range(batch)]
-        for row in range(batch):
-            seqs.commit(row, [bonus[row]])
+        bonus = first_tokens(target, prompts, seqs, rng)
         try:
             draft_result(draft_started)
             spec = draft_result(on_draft(worker.just_in_time, bonus, [planner.shape("backup")] * batch))
@@ -316,7 +312,8 @@ def generate_saguaro(target, draft, prompts: list[list[int]], seqs: Sequences, r
             timeline.append({"round": round_index, "verify": [t_verify - seqs.started, t_verified - seqs.started],
                              "draft": [cache.started - seqs.started, cache.finished - seqs.started],
                              "submitted": t_submit - seqs.started, "hits": batch - len(missed),
-                             "backup": len(missed)})
+                             "backup": len(missed), "backup_s": t_done - t_looked_up,
+                             "accepted": [o.accepted for o in outcomes], "source": list(spec.sources)})
             spec = Speculation(next_tokens, next_probs, sources)
             round_index += 1
     summary = stats.summary()
@@ -341,13 +338,9 @@ def finish_without_draft(target, seqs: Sequences, bonus: list[int], rng: np.rand
 
     The target's cache holds the verified prefix; ``bonus`` is each row's committed-but-unfed token.
     """
+    from ssd_trt.decoding.autoregressive import continue_autoregressive
     stats.draft_failures.append(f"{type(failure).__name__}: {failure}")
-    tokens = np.array(bonus, dtype=np.int64)
-    while not seqs.all_done:
-        logits = target.forward(tokens[:, None], target.lengths[:, None].astype(np.int64))[:, 0]
-        tokens = np.array([next_token(logits[row], seqs.params, rng) for row in range(len(bonus))])
-        for row, token in enumerate(tokens):
-            seqs.commit(row, [int(token)])
+    continue_autoregressive(target, seqs, bonus, rng)
     summary = stats.summary()
     summary["fallback"] = "autoregressive (draft failed)"
     return summary

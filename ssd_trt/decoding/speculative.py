@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from ssd_trt.decoding.batch import Sequences, feed_ragged
+from ssd_trt.decoding.batch import Sequences, feed_ragged, first_tokens
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import (next_token, processed_probs, sample, verify_chain,
                                        verify_tree_children)
@@ -48,12 +48,8 @@ def generate_speculative(target, draft, prompts: list[list[int]], seqs: Sequence
         return generate_tree_speculative(target, draft, prompts, seqs, rng, tree_widths)
     batch, params = len(prompts), seqs.params
     stats = RoundStats(mode="sd", draft_len=draft_len)
-    target.reset(batch)
     draft.reset(batch)
-    first_logits = feed_ragged(target, prompts)
-    bonus = [next_token(first_logits[row], params, rng) for row in range(batch)]
-    for row in range(batch):
-        seqs.commit(row, [bonus[row]])
+    bonus = first_tokens(target, prompts, seqs, rng)
     pending = [list(p) + [b] for p, b in zip(prompts, bonus)]   # tokens the draft has not seen yet
     while not seqs.all_done:
         t0 = time.perf_counter()
@@ -92,12 +88,8 @@ def generate_tree_speculative(target, draft, prompts: list[list[int]], seqs: Seq
     """Tree verification; see the module docstring. Static tree shape shared by all rows."""
     batch, params = len(prompts), seqs.params
     stats = RoundStats(mode="sd-tree", draft_len=len(tree_widths))
-    target.reset(batch)
     draft.reset(batch)
-    first_logits = feed_ragged(target, prompts)
-    bonus = [next_token(first_logits[row], params, rng) for row in range(batch)]
-    for row in range(batch):
-        seqs.commit(row, [bonus[row]])
+    bonus = first_tokens(target, prompts, seqs, rng)
     pending = [list(p) + [b] for p, b in zip(prompts, bonus)]
     parents, depth_of = tree_shape(tree_widths)        # node 0 is the root (the bonus token)
     num_nodes = len(parents)

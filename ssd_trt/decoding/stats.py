@@ -50,6 +50,8 @@ class RoundStats:
             "cache_hit_rate_by_accepted": {k: self.hits_by_k[k] / n for k, n in sorted(self.lookups_by_k.items())}
             if self.lookups else None,
             "accepted_histogram": dict(sorted(self.accepted_hist.items())),
+            "verify_latency_s": self.verify_s / self.rounds if self.rounds else None,
+            "draft_latency_s": self.draft_s / self.rounds if self.rounds else None,
             "draft_time_share": self.draft_s / busy if busy else None,
             "verify_time_share": self.verify_s / busy if busy else None,
             "wait_time_share": self.wait_s / busy if busy else None,

@@ -34,6 +34,10 @@ class TrainConfig:
     ckpt_every: int = 100
     eval_samples: int = 96
     bf16: bool = False
+    # Loss weight of prompt positions relative to the target's own continuations. Prompt text
+    # (corpus passages, instructions) teaches general English, but the draft is judged on -- and
+    # used on -- continuations, where the target's distribution is much more predictable.
+    prompt_weight: float = 0.5
 
 
 def select_head_ids(samples: list[Sample], size: int, always: list[int], vocab: int) -> torch.Tensor:
@@ -83,7 +87,8 @@ def make_batch(samples: list[Sample], sub_index: torch.Tensor, max_len: int):
     return ids, tid, tlog, mask, cont
 
 
-def kd_loss(logits: torch.Tensor, tid: torch.Tensor, tlog: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def kd_loss(logits: torch.Tensor, tid: torch.Tensor, tlog: torch.Tensor, mask: torch.Tensor,
+            weight: torch.Tensor | None = None) -> torch.Tensor:
     """Soft cross-entropy = KL(p || q) + const, p = target softmax over its top-k ∩ head.
 
     Teacher tokens outside the draft head are dropped and p renormalised: the draft cannot
@@ -94,8 +99,10 @@ def kd_loss(logits: torch.Tensor, tid: torch.Tensor, tlog: torch.Tensor, mask: t
     p = torch.nan_to_num(p)  # a position with no valid teacher token contributes nothing
     logq = torch.log_softmax(logits.float(), -1).gather(-1, tid.clamp(min=0))
     per_pos = -(p * logq.masked_fill(~valid, 0.0)).sum(-1)
-    m = mask & valid.any(-1)
-    return (per_pos * m).sum() / m.sum().clamp(min=1)
+    m = (mask & valid.any(-1)).float()
+    if weight is not None:
+        m = m * weight
+    return (per_pos * m).sum() / m.sum().clamp(min=1e-6)
 
 
 def lr_at(step: int, c: TrainConfig) -> float:
@@ -181,12 +188,13 @@ def train(model: DraftModel, train_s: list[Sample], held: list[Sample], c: Train
         epoch, j = divmod(step, n_per_epoch)
         perm = torch.randperm(len(train_s), generator=torch.Generator().manual_seed(c.seed * 7919 + epoch))
         batch = [train_s[int(i)] for i in perm[j * c.batch:(j + 1) * c.batch]]
-        ids, tid, tlog, mask, _ = make_batch(batch, sub_index, c.max_len)
+        ids, tid, tlog, mask, cont = make_batch(batch, sub_index, c.max_len)
+        weight = torch.where(cont, 1.0, c.prompt_weight)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, c)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
             logits = model.head_logits(model.hidden(ids))
-        loss = kd_loss(logits, tid, tlog, mask)
+        loss = kd_loss(logits, tid, tlog, mask, weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)

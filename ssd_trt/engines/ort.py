@@ -39,6 +39,13 @@ class OrtEngine:
         self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
         self.cache: KVCache | None = None
         self._cache_values: list = []
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One tiny step so the first request does not pay ORT's first-run allocations (TTFT)."""
+        self.reset(1)
+        self.forward(np.zeros((1, 2), dtype=np.int64), np.arange(2)[None])
+        self.cache = None
 
     def reset(self, batch: int) -> None:
         self.cache = KVCache(self.spec, batch)

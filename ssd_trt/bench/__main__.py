@@ -1,0 +1,174 @@
+"""``python -m ssd_trt.bench BUILD_DIR``: this engine's modes and peer baselines, side by side, in one run.
+
+Writes results.json, PNG plots and a terminal table to --out. See README "Benchmarks" for the schema.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import ssd_trt
+from ssd_trt.bench.prompts import DEFAULT_PROMPTS, load_prompts
+from ssd_trt.bench.runner import by_category, run_engine, run_hf, summarise
+from ssd_trt.bench.settings import SETTINGS
+from ssd_trt.bench.speed_model import predicted_speedup
+from ssd_trt.errors import SsdTrtError
+
+ENGINE_MODES = ("ar", "sd", "ssd")
+BASELINES = {"hf": "hf_ar", "hf_assisted": "hf_assisted"}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ssd_trt.bench", description=__doc__.splitlines()[0])
+    p.add_argument("build_dir", type=Path)
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field")
+    p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
+    p.add_argument("--modes", default="ar,sd,ssd")
+    p.add_argument("--baselines", default="hf,hf_assisted", help="comma list of hf, hf_assisted, or 'none'")
+    p.add_argument("--settings", default="paper,equal", help="paper, equal (see bench/settings.py)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat", action="store_true", help="apply the chat template to every prompt")
+    p.add_argument("--sd-k", default="2,3,4,6", help="K values swept for SD (best one is reported)")
+    p.add_argument("--ssd-k", default="2,3,4", help="K values swept for SSD (best one is reported)")
+    p.add_argument("--ssd-budget", default="6,8,12", help="fan-out budgets swept for SSD")
+    p.add_argument("--sweep-prompts", type=int, default=5, help="prompts used by the sweeps")
+    p.add_argument("--out", type=Path, default=Path("runs/bench"))
+    return p.parse_args(argv)
+
+
+def choose_prompts(args):
+    prompts = load_prompts(args.prompts)
+    if args.limit_per_category:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            if seen.get(p.category, 0) < args.limit_per_category:
+                kept.append(p)
+                seen[p.category] = seen.get(p.category, 0) + 1
+        prompts = kept
+    return prompts
+
+
+def sweep(build_dir, setting, mode, prompts, encoded, params, ar_tps, values, make_kwargs):
+    points = []
+    for value in values:
+        runs = run_engine(build_dir, setting, mode, prompts, encoded, params, label=f"{mode} sweep {value}",
+                          **make_kwargs(value))
+        s = summarise(runs, None)
+        points.append({"value": value, "tokens_per_s": s["tokens_per_s"], "mean_accepted": s["mean_accepted"],
+                       "cache_hit_rate": s["cache_hit_rate"], "speedup_vs_ar": s["tokens_per_s"] / ar_tps})
+    return points
+
+
+def run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids) -> dict:
+    build = args.build_dir
+    modes = [m for m in args.modes.split(",") if m]
+    small, small_ids = prompts[:args.sweep_prompts], encoded[:args.sweep_prompts]
+    results, categories, runs_by_mode = {}, {}, {}
+    ar_runs = run_engine(build, setting, "ar", prompts, encoded, params)
+    runs_by_mode["ar"] = ar_runs
+    ar_small = summarise(run_engine(build, setting, "ar", small, small_ids, params, label="ar sweep"), None)
+    sweeps = {}
+    if "sd" in modes:
+        sweeps["sd: K"] = sweep(build, setting, "sd", small, small_ids, params, ar_small["tokens_per_s"],
+                                [int(k) for k in args.sd_k.split(",")], lambda k: {"draft_len": k})
+        best_sd = max(sweeps["sd: K"], key=lambda p: p["tokens_per_s"])["value"]
+        runs_by_mode["sd"] = run_engine(build, setting, "sd", prompts, encoded, params, draft_len=best_sd)
+    if "ssd" in modes:
+        sweeps["ssd: K"] = sweep(build, setting, "ssd", small, small_ids, params, ar_small["tokens_per_s"],
+                                 [int(k) for k in args.ssd_k.split(",")], lambda k: {"draft_len": k})
+        best_k = max(sweeps["ssd: K"], key=lambda p: p["tokens_per_s"])["value"]
+        budgets = [max(int(b), best_k + 1) for b in args.ssd_budget.split(",")]
+        sweeps["ssd: fan-out budget"] = sweep(build, setting, "ssd", small, small_ids, params,
+                                              ar_small["tokens_per_s"], budgets,
+                                              lambda b: {"draft_len": best_k, "ssd": {"fan_out_budget": b}})
+        best_budget = max(sweeps["ssd: fan-out budget"], key=lambda p: p["tokens_per_s"])["value"]
+        runs_by_mode["ssd"] = run_engine(build, setting, "ssd", prompts, encoded, params, draft_len=best_k,
+                                         ssd={"fan_out_budget": best_budget}, keep_timeline=True)
+    target, draft, _ = hf_pair if hf_pair else (None, None, None)
+    for name in [b for b in args.baselines.split(",") if b in BASELINES]:
+        runs_by_mode[BASELINES[name]] = run_hf(target, draft if name == "hf_assisted" else None, setting, prompts,
+                                               encoded, args.max_new_tokens, eos_ids, BASELINES[name])
+    for mode, runs in runs_by_mode.items():
+        results[mode] = summarise(runs, ar_runs)
+        categories[mode] = by_category(runs, ar_runs)
+    for mode, summary in results.items():
+        for base in ("ar", "sd", "hf_ar", "hf_assisted"):
+            if base in results and base != mode and results[base]["tokens_per_s"]:
+                summary[f"speedup_vs_{base}"] = summary["tokens_per_s"] / results[base]["tokens_per_s"]
+    model = predicted_speedup(runs_by_mode.get("ssd", []), results["ar"]["tokens_per_s"])
+    if model and "ssd" in results:
+        model["measured_speedup_vs_ar"] = results["ssd"].get("speedup_vs_ar")
+    timeline = next((r.stats["timeline"] for r in runs_by_mode.get("ssd", []) if r.stats.get("timeline")), [])
+    return {"summary": results, "by_category": categories, "sweeps": sweeps, "speed_model": model,
+            "timeline": timeline, "setting": setting.description}
+
+
+def table(name: str, summary: dict) -> str:
+    head = f"{'mode':12s} {'tok/s':>7s} {'ttft':>6s} {'acc':>5s} {'hit':>5s} {'exact':>7s} {'xAR':>5s} {'xSD':>5s} " \
+           f"{'xHF':>5s} {'xHFas':>5s} {'ceil%':>6s}"
+    lines = [f"== {name} ==", head]
+
+    def f(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+    for mode, s in summary.items():
+        lines.append(f"{mode:12s} {f(s['tokens_per_s'], '7.2f')} {f(s['ttft_s'], '6.3f')} {f(s['mean_accepted'], '5.2f')} "
+                     f"{f(s['cache_hit_rate'], '5.2f')} {str(s['exact_prompts']) + '/' + str(s['prompts']):>7s} "
+                     f"{f(s.get('speedup_vs_ar'), '5.2f')} {f(s.get('speedup_vs_sd'), '5.2f')} "
+                     f"{f(s.get('speedup_vs_hf_ar'), '5.2f')} {f(s.get('speedup_vs_hf_assisted'), '5.2f')} "
+                     f"{f(100 * s['ceiling_fraction'] if s['ceiling_fraction'] else None, '6.1f')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        probe = ssd_trt.load(args.build_dir)
+        params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
+        prompts = choose_prompts(args)
+        encoded = [probe.encode(p.prompt, chat=args.chat) for p in prompts]
+        eos_ids = sorted(probe.eos_ids)
+        hf_pair = None
+        if any(b in BASELINES for b in args.baselines.split(",")):
+            from ssd_trt.bench.baselines import load_hf_pair
+            hf_pair = load_hf_pair(probe.manifest)
+        del probe
+    except (SsdTrtError, ValueError) as error:
+        print(f"ssd_trt.bench: error: {error}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"config": {"build_dir": str(args.build_dir), "prompts_file": str(args.prompts), "prompts": len(prompts),
+                         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "chat": args.chat,
+                         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                         "machine": f"{platform.machine()} {platform.processor()} cpus={len(__import__('os').sched_getaffinity(0))}",
+                         "hf_note": None if hf_pair is None else hf_pair[2],
+                         "weights": "fp32 in every mode and baseline"}}
+    from ssd_trt.bench import plots
+    for key in args.settings.split(","):
+        setting = SETTINGS[key]
+        outcome = run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids)
+        field = "summary" if key == "paper" else "summary_equal_cores"
+        report[field] = outcome["summary"]
+        report.setdefault("by_category", {})[setting.name] = outcome["by_category"]
+        report.setdefault("sweeps", {})[setting.name] = outcome["sweeps"]
+        report.setdefault("speed_model", {})[setting.name] = outcome["speed_model"]
+        report.setdefault("settings", {})[setting.name] = outcome["setting"]
+        plots.tokens_per_category(outcome["by_category"], args.out / f"tokens_per_category_{setting.name}.png",
+                                  f"tokens/s by category ({setting.name})")
+        if outcome["timeline"]:
+            plots.ssd_timeline(outcome["timeline"], args.out / f"ssd_timeline_{setting.name}.png")
+            report.setdefault("timeline", {})[setting.name] = outcome["timeline"][:40]
+        plots.sweeps(outcome["sweeps"], args.out / f"sweeps_{setting.name}.png")
+        print(table(f"{setting.name}: {setting.description}", outcome["summary"]), flush=True)
+        (args.out / "results.json").write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out / 'results.json'} and plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Run one mode (or one peer baseline) over a prompt set under one hardware setting."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+import ssd_trt
+from ssd_trt.bench.prompts import Prompt
+from ssd_trt.bench.settings import Setting
+from ssd_trt.engines.affinity import pinned
+
+ROUND_KEYS = ("mean_accepted", "acceptance_rate", "cache_hit_rate", "verify_latency_s", "draft_latency_s",
+              "verify_overlap_fraction", "rounds")
+
+
+@dataclass
+class PromptRun:
+    prompt_id: str
+    category: str
+    tokens: list[int]
+    seconds: float
+    ttft_s: float | None
+    stats: dict = field(default_factory=dict)
+
+
+def run_engine(build_dir: Path, setting: Setting, mode: str, prompts: list[Prompt], encoded: list[list[int]],
+               params: ssd_trt.SamplingParams, draft_len: int | None = None, ssd: dict | None = None,
+               label: str | None = None, keep_timeline: bool = False) -> list[PromptRun]:
+    generator = ssd_trt.load(build_dir, setting.options(mode, draft_len, ssd))
+    runs = []
+    for prompt, ids in tqdm(list(zip(prompts, encoded)), desc=f"{setting.name} {label or mode}", unit="prompt",
+                            leave=False):
+        [result] = generator.generate_ids([ids], params, mode=mode)
+        s = result.stats
+        kept = {k: s.get(k) for k in ROUND_KEYS}
+        if keep_timeline and "timeline" in s:
+            kept["timeline"] = s["timeline"]
+        runs.append(PromptRun(prompt.id, prompt.category, result.token_ids, s["elapsed_s"], s["ttft_s"], kept))
+    return runs
+
+
+def run_hf(target, assistant, setting: Setting, prompts: list[Prompt], encoded: list[list[int]],
+           max_new_tokens: int, eos_ids: list[int], label: str) -> list[PromptRun]:
+    import torch
+
+    from ssd_trt.bench.baselines import hf_generate
+    previous = torch.get_num_threads()
+    torch.set_num_threads(setting.single_threads)
+    runs = []
+    try:
+        with pinned((0,) if setting.single_threads == 1 else (0, 1)):
+            for prompt, ids in tqdm(list(zip(prompts, encoded)), desc=f"{setting.name} {label}", unit="prompt",
+                                    leave=False):
+                tokens, seconds, ttft = hf_generate(target, ids, max_new_tokens, eos_ids, assistant)
+                runs.append(PromptRun(prompt.id, prompt.category, tokens, seconds, ttft))
+    finally:
+        torch.set_num_threads(previous)
+    return runs
+
+
+def summarise(runs: list[PromptRun], reference: list[PromptRun] | None) -> dict:
+    """Aggregate tokens/s (total tokens / total time) and means of the round statistics."""
+    tokens = sum(len(r.tokens) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    out = {"prompts": len(runs), "generated_tokens": tokens, "seconds": seconds,
+           "tokens_per_s": tokens / seconds if seconds else None,
+           "ttft_s": float(np.mean([r.ttft_s for r in runs if r.ttft_s is not None])) if runs else None,
+           "exact_prompts": None if reference is None else
+           sum(r.tokens == ref.tokens for r, ref in zip(runs, reference))}
+    for key in ROUND_KEYS:
+        values = [r.stats.get(key) for r in runs if r.stats.get(key) is not None]
+        out[key] = float(np.mean(values)) if values else None
+    if out["mean_accepted"] is not None and out["verify_latency_s"]:
+        out["ceiling_tokens_per_s"] = (out["mean_accepted"] + 1) / out["verify_latency_s"]
+        out["ceiling_fraction"] = out["tokens_per_s"] / out["ceiling_tokens_per_s"]
+    else:
+        out["ceiling_tokens_per_s"] = out["ceiling_fraction"] = None
+    return out
+
+
+def by_category(runs: list[PromptRun], reference: list[PromptRun] | None) -> dict:
+    categories = sorted({r.category for r in runs})
+    result = {}
+    for category in categories:
+        pick = [i for i, r in enumerate(runs) if r.category == category]
+        result[category] = summarise([runs[i] for i in pick], None if reference is None else [reference[i] for i in pick])
+    return result

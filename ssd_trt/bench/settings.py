@@ -1,0 +1,33 @@
+"""Hardware settings a benchmark runs under. On this CPU a "device" is a core (FACTS.md): the target's
+decode speed scales with cores (memory bandwidth per core), so fairness must be stated explicitly.
+
+* paper-style: the target runs on one core in every mode; SSD adds its draft on a second core
+  (as in the SSD paper, where SSD's draft gets an extra GPU). AR, SD and the baselines use one core.
+* equal total cores: every mode and baseline may use both cores. SSD splits them (target core 0,
+  draft core 1); AR, SD and the baselines run each model with two threads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ssd_trt.runtime import RuntimeOptions
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    description: str
+    single_threads: int          # threads of a model that runs alone (ar, sd, baselines)
+
+    def options(self, mode: str, draft_len: int | None, ssd: dict | None = None) -> RuntimeOptions:
+        if mode == "ssd":
+            return RuntimeOptions(target_threads=1, draft_threads=1, target_cores=(0,), draft_cores=(1,),
+                                  draft_len=draft_len, ssd=dict(ssd or {}))
+        cores = (0,) if self.single_threads == 1 else (0, 1)
+        return RuntimeOptions(target_threads=self.single_threads, draft_threads=self.single_threads,
+                              target_cores=cores, draft_cores=cores, draft_len=draft_len)
+
+
+PAPER_STYLE = Setting("paper-style", "target on 1 core in every mode; SSD adds its draft on a 2nd core", 1)
+EQUAL_CORES = Setting("equal-cores", "every mode and baseline may use both cores", 2)
+SETTINGS = {"paper": PAPER_STYLE, "equal": EQUAL_CORES}

@@ -1,0 +1,236 @@
+"""Client example for the exported models, with ``tritonclient`` (HTTP, and gRPC streaming).
+
+Run it with the serving venv's python (tritonclient is installed there)::
+
+    VENV=~/.cache/ssd-trt/serve-venv
+    $VENV/bin/python -m ssd_trt.serve.triton.client generate --prompt "The capital of France is" \\
+        --max-tokens 16 --protocol grpc --mode ssd          # streams chunks as they are committed
+    $VENV/bin/python -m ssd_trt.serve.triton.client generate --prompt "Hello" --protocol http
+    $VENV/bin/python -m ssd_trt.serve.triton.client bench --concurrency 32 --max-tokens 16
+
+Plain HTTP/gRPC requests go to ``ssd_trt_nonstream``; gRPC streaming to the decoupled ``ssd_trt``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+STREAM_MODEL = "ssd_trt"
+NONSTREAM_MODEL = "ssd_trt_nonstream"
+STAT_OUTPUTS = ("generated_tokens", "accepted_tokens", "acceptance_rate", "cache_hit_rate")
+DTYPES = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_,
+          "INT64": np.int64, "FP64": np.float64}
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    chunks: int = 0                 # responses that carried tokens
+    latency_s: float = 0.0          # request sent -> final response
+    ttft_s: float | None = None     # request sent -> first token
+    error: str | None = None
+
+
+def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    seed: int | None = None, mode: str = "ssd", stream: bool = False) -> list[tuple[str, str, Any]]:
+    """(name, Triton dtype, value) for one request, TensorRT-LLM backend names."""
+    tensors = [("text_input", "BYTES", prompt), ("max_tokens", "INT32", max_tokens),
+               ("temperature", "FP32", temperature), ("top_p", "FP32", top_p), ("top_k", "INT32", top_k),
+               ("mode", "BYTES", mode), ("stream", "BOOL", stream)]
+    if seed is not None:
+        tensors.append(("random_seed", "UINT64", seed))
+    return tensors
+
+
+def make_inputs(module, tensors: list[tuple[str, str, Any]]) -> list:
+    """tritonclient InferInputs of shape [1, 1] (``max_batch_size: 1``, as TensorRT-LLM clients send)."""
+    inputs = []
+    for name, dtype, value in tensors:
+        data = np.array([[value.encode() if isinstance(value, str) else value]], dtype=DTYPES[dtype])
+        item = module.InferInput(name, list(data.shape), dtype)
+        item.set_data_from_numpy(data)
+        inputs.append(item)
+    return inputs
+
+
+def _stats(result) -> dict[str, Any]:
+    stats = {}
+    for name in STAT_OUTPUTS:
+        value = result.as_numpy(name)
+        if value is not None:
+            value = value.reshape(-1)[0].item()
+            stats[name] = None if isinstance(value, float) and value != value else value   # NaN -> None
+    return stats
+
+
+def _absorb(out: Result, result) -> None:
+    ids = result.as_numpy("output_ids")
+    text = result.as_numpy("text_output")
+    new_ids = [] if ids is None else ids.reshape(-1).tolist()
+    if new_ids:
+        out.chunks += 1
+    out.token_ids += new_ids
+    out.text += "" if text is None else b"".join(text.reshape(-1)).decode("utf-8")
+    out.stats.update(_stats(result))
+
+
+def infer_http(url: str, tensors: list[tuple[str, str, Any]], model: str = NONSTREAM_MODEL,
+               timeout: float = 600.0) -> Result:
+    """One plain HTTP request (non-streaming model)."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+    out, started = Result(), time.perf_counter()
+    with httpclient.InferenceServerClient(url, network_timeout=timeout, connection_timeout=timeout) as client:
+        try:
+            _absorb(out, client.infer(model, make_inputs(httpclient, tensors)))
+        except InferenceServerException as exc:
+            out.error = exc.message()
+    out.latency_s = time.perf_counter() - started
+    return out
+
+
+def infer_grpc_stream(url: str, tensors: list[tuple[str, str, Any]], model: str = STREAM_MODEL,
+                      on_chunk: Callable[[str], None] | None = None, timeout: float = 600.0) -> Result:
+    """One request over a gRPC bidirectional stream; returns when the final response arrives."""
+    import tritonclient.grpc as grpcclient
+    responses: queue.Queue = queue.Queue()
+    out, started = Result(), time.perf_counter()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+        client.async_stream_infer(model, make_inputs(grpcclient, tensors), enable_empty_final_response=True)
+        while True:
+            result, error, at = responses.get(timeout=timeout)
+            if error is not None:
+                out.error = error.message() if hasattr(error, "message") else str(error)
+                break
+            before = len(out.text)
+            _absorb(out, result)
+            if out.ttft_s is None and out.token_ids:
+                out.ttft_s = at - started
+            if on_chunk is not None and len(out.text) > before:
+                on_chunk(out.text[before:])
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                break
+        out.latency_s = time.perf_counter() - started
+    finally:
+        client.stop_stream()
+        client.close()
+    return out
+
+
+def bench(url: str, prompts: list[str], concurrency: int, max_tokens: int, mode: str = "ssd") -> dict[str, Any]:
+    """``concurrency`` simultaneous greedy gRPC streaming requests (prompts cycled); latency percentiles."""
+    results: list[Result | None] = [None] * concurrency
+    barrier = threading.Barrier(concurrency)
+
+    def worker(i: int) -> None:
+        tensors = request_tensors(prompts[i % len(prompts)], max_tokens, mode=mode, stream=True)
+        barrier.wait()
+        results[i] = infer_grpc_stream(url, tensors)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    done = [r for r in results if r is not None]
+    latencies = sorted(r.latency_s for r in done if r.error is None)
+    tokens = sum(len(r.token_ids) for r in done if r.error is None)
+
+    def pct(p: float) -> float | None:
+        return latencies[min(len(latencies) - 1, int(round(p * (len(latencies) - 1))))] if latencies else None
+
+    return {"concurrency": concurrency, "mode": mode, "max_tokens": max_tokens, "wall_s": wall,
+            "errors": [r.error for r in done if r.error], "generated_tokens": tokens,
+            "throughput_tok_s": tokens / wall, "requests_per_s": len(latencies) / wall,
+            "latency_p50_s": pct(0.50), "latency_p99_s": pct(0.99),
+            "latency_mean_s": statistics.fmean(latencies) if latencies else None,
+            "ttft_p50_s": statistics.median([r.ttft_s for r in done if r.ttft_s is not None] or [0.0]),
+            "results": [asdict(r) for r in done]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ssd_trt.serve.triton.client", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="one request per --prompt (and per --mode)")
+    gen.add_argument("--prompt", action="append", required=True)
+    gen.add_argument("--mode", action="append", choices=["ar", "sd", "ssd"])
+    gen.add_argument("--protocol", choices=["http", "grpc"], default="grpc",
+                     help="http: plain request to the non-streaming model; grpc: streaming")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--json", action="store_true", help="one JSON line per request instead of streamed text")
+    raw = sub.add_parser("raw", help="send arbitrary tensors: JSON list of [name, dtype, value]")
+    raw.add_argument("tensors")
+    raw.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    raw.add_argument("--model")
+    b = sub.add_parser("bench", help="concurrent greedy gRPC streaming requests; prints a JSON summary")
+    b.add_argument("--prompt", action="append")
+    b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--max-tokens", type=int, default=16)
+    b.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ssd")
+    b.add_argument("--full", action="store_true", help="include every request's result in the JSON")
+    for p in (gen, raw, b):
+        p.add_argument("--http-url", default="127.0.0.1:8000")
+        p.add_argument("--grpc-url", default="127.0.0.1:8001")
+    args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        summary = bench(args.grpc_url, args.prompt or ["The capital of France is"], args.concurrency,
+                        args.max_tokens, args.mode)
+        if not args.full:
+            summary.pop("results")
+        print(json.dumps(summary))
+        return 1 if summary["errors"] else 0
+    if args.command == "raw":
+        tensors = [tuple(t) for t in json.loads(args.tensors)]
+        if args.protocol == "http":
+            result = infer_http(args.http_url, tensors, args.model or NONSTREAM_MODEL)
+        else:
+            result = infer_grpc_stream(args.grpc_url, tensors, args.model or STREAM_MODEL)
+        print(json.dumps(asdict(result)))
+        return 0
+    failed = False
+    for mode in args.mode or ["ssd"]:
+        for prompt in args.prompt:
+            stream = args.protocol == "grpc"
+            tensors = request_tensors(prompt, args.max_tokens, args.temperature, args.top_p, args.top_k,
+                                      args.seed, mode, stream)
+            if stream:
+                printer = None if args.json else (lambda piece: print(piece, end="", flush=True))
+                result = infer_grpc_stream(args.grpc_url, tensors, on_chunk=printer)
+            else:
+                result = infer_http(args.http_url, tensors)
+            failed |= result.error is not None
+            if args.json:
+                print(json.dumps({"protocol": args.protocol, "mode": mode, "prompt": prompt, **asdict(result)}))
+            elif result.error:
+                print(f"error: {result.error}", file=sys.stderr)
+            else:
+                if not stream:
+                    print(result.text, end="")
+                print(f"\n[{mode}] {result.stats} latency {result.latency_s:.2f}s", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Triton serving: a real CPU tritonserver (nvidia-pytriton wheel) on 127.0.0.1 serving the embedded pair.
+
+The serving venv (numpy<2, nvidia-pytriton, tritonclient) is created on first use (~1 minute); clients run
+in that venv as subprocesses, since tritonclient is not part of the main environment.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import ssd_trt
+from ssd_trt.serve.triton.backend import Detokenizer, Job, Scheduler
+from ssd_trt.serve.triton.repository import ExportOptions, export_repository
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 16
+MODES = ("ar", "sd", "ssd")
+EXACT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CONCURRENT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+CONCURRENCY = 32
+
+
+# -- pieces that need no server ------------------------------------------------------------------
+def test_detokenizer_pieces_concatenate_to_the_final_text():
+    pieces = {1: "Hel", 2: "lo", 3: "\ufffd", 4: " w\u00e9"}
+    decode = lambda ids: "".join(pieces[i] for i in ids).replace("\ufffd w", " w")   # noqa: E731
+    detok = Detokenizer(decode)
+    sent = [detok.push([1]), detok.push([2]), detok.push([3]), detok.push([4])]
+    assert sent[2] == ""                                   # held back: incomplete character
+    assert "".join(sent) + detok.finish("Hello w\u00e9") == "Hello w\u00e9"
+
+
+def test_scheduler_batches_only_compatible_greedy_jobs():
+    greedy = ssd_trt.SamplingParams(max_new_tokens=8)
+    sampled = ssd_trt.SamplingParams(max_new_tokens=8, temperature=0.7, seed=1)
+    jobs = [Job([1], greedy, "ssd", True, None), Job([2], sampled, "ssd", True, None),
+            Job([3], greedy, "ssd", False, None), Job([4], greedy, "ar", True, None),
+            Job([5], ssd_trt.SamplingParams(max_new_tokens=8, seed=9), "ssd", True, None),
+            Job([6], greedy, "ssd", True, None), Job([7], greedy, "ssd", True, None)]
+    batches: list[list[int]] = []
+    scheduler = Scheduler(lambda batch: batches.append([j.prompt_ids[0] for j in batch]), max_rows=3,
+                          autostart=False)
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    scheduler.close()                    # drains the queue, then stops
+    assert batches == [[1, 3, 5], [2], [4], [6, 7]]
+
+
+def test_export_writes_two_models_with_trtllm_tensor_names(smollm2_build, tmp_path):
+    repo = export_repository(smollm2_build, tmp_path / "repo", ExportOptions(max_batch_rows=2))
+    stream, plain = (repo / "ssd_trt" / "config.pbtxt").read_text(), \
+        (repo / "ssd_trt_nonstream" / "config.pbtxt").read_text()
+    assert "decoupled: true" in stream and "decoupled: false" in plain
+    for name in ("text_input", "max_tokens", "temperature", "top_p", "top_k", "random_seed", "stream", "mode",
+                 "text_output", "output_ids", "accepted_tokens", "cache_hit_rate"):
+        assert f'name: "{name}"' in stream
+    assert str(smollm2_build.resolve()) in stream and (repo / "ssd_trt" / "1" / "model.py").is_file()
+    with pytest.raises(ssd_trt.errors.SsdTrtError, match="max-batch-rows"):
+        export_repository(smollm2_build, tmp_path / "bad", ExportOptions(max_batch_rows=99))
+
+
+# -- a real server --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def references(smollm2_build) -> dict[tuple[str, str], list[int]]:
+    """In-process ``ssd_trt`` greedy outputs, one prompt at a time (computed before the server starts)."""
+    gen = ssd_trt.load(smollm2_build)
+    params = ssd_trt.SamplingParams(max_new_tokens=MAX_TOKENS)
+    refs = {(mode, p): gen.generate(p, params, mode=mode)[0] for mode in MODES for p in EXACT_PROMPTS}
+    refs.update({("ssd", p): gen.generate(p, params, mode="ssd")[0]
+                 for p in CONCURRENT_PROMPTS if ("ssd", p) not in refs})
+    return {key: (r.text, r.token_ids) for key, r in refs.items()}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_build, references, tmp_path_factory):
+    from ssd_trt.serve.triton.environment import ensure_env
+    from ssd_trt.serve.triton.server import ServerConfig, TritonServer, free_port
+
+    env = ensure_env()
+    root = tmp_path_factory.mktemp("triton")
+    repo = export_repository(smollm2_build, root / "repo")
+    triton = TritonServer(ServerConfig(repo, free_port(), free_port(), log_file=root / "tritonserver.log"), env)
+    try:
+        triton.start().wait_ready(timeout=600)
+        yield triton
+    finally:
+        triton.stop()
+        assert triton.process is None
+
+
+def client(server, *args: str, timeout: float = 900) -> list[dict]:
+    """Run the example client in the serving venv; its JSON lines."""
+    proc = subprocess.run([str(server.env.python), "-m", "ssd_trt.serve.triton.client", *args,
+                           "--http-url", server.http_url, "--grpc-url", server.grpc_url],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"client printed no JSON (exit {proc.returncode}): {proc.stderr[-2000:]}"
+    return lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_greedy_over_triton_equals_generate(server, references, protocol):
+    args = ["generate", "--protocol", protocol, "--max-tokens", str(MAX_TOKENS), "--json"]
+    for mode in MODES:
+        args += ["--mode", mode]
+    for prompt in EXACT_PROMPTS:
+        args += ["--prompt", prompt]
+    results = client(server, *args)
+    assert len(results) == len(MODES) * len(EXACT_PROMPTS)
+    for r in results:
+        assert r["error"] is None, r
+        text, ids = references[(r["mode"], r["prompt"])]
+        assert r["token_ids"] == ids, (r["mode"], r["prompt"])
+        assert r["text"] == text
+        assert r["stats"]["generated_tokens"] == len(ids)
+        if protocol == "grpc":
+            assert r["chunks"] >= 1                          # streamed, then a final response
+        if r["mode"] != "ar":
+            assert r["stats"]["accepted_tokens"] >= 0 and r["stats"]["acceptance_rate"] is not None
+
+
+@pytest.mark.slow
+def test_32_concurrent_streams_match_one_at_a_time(server, references, tmp_path_factory):
+    args = ["bench", "--concurrency", str(CONCURRENCY), "--max-tokens", str(MAX_TOKENS), "--mode", "ssd", "--full"]
+    for prompt in CONCURRENT_PROMPTS:
+        args += ["--prompt", prompt]
+    [summary] = client(server, *args)
+    assert summary["errors"] == []
+    results = summary.pop("results")
+    assert len(results) == CONCURRENCY
+    for i, r in enumerate(results):
+        text, ids = references[("ssd", CONCURRENT_PROMPTS[i % len(CONCURRENT_PROMPTS)])]
+        assert (r["token_ids"], r["text"]) == (ids, text), i
+    print(f"\n{CONCURRENCY} concurrent gRPC streams x {MAX_TOKENS} tokens (ssd): "
+          f"{summary['throughput_tok_s']:.1f} tok/s, p50 {summary['latency_p50_s']:.2f}s, "
+          f"p99 {summary['latency_p99_s']:.2f}s, wall {summary['wall_s']:.1f}s")
+    (tmp_path_factory.getbasetemp() / "triton-bench.json").write_text(json.dumps(summary, indent=1))
+
+
+BAD_REQUESTS = [
+    ("missing input", [["text_input", "BYTES", "Hello"]], "missing required input"),
+    ("wrong dtype", [["text_input", "BYTES", "Hello"], ["max_tokens", "FP32", 4.0]], "expects 'INT32'"),
+    ("negative max_tokens", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", -3]], "max_tokens must be"),
+    ("negative temperature", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4],
+                              ["temperature", "FP32", -0.5]], "temperature must be"),
+    ("unknown mode", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4], ["mode", "BYTES", "beam"]],
+     "unknown mode 'beam'"),
+    ("prompt over max context", [["text_input", "BYTES", "word " * 3000], ["max_tokens", "INT32", 4]],
+     "max context"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, references, protocol):
+    for what, tensors, message in BAD_REQUESTS:
+        [r] = client(server, "raw", json.dumps(tensors), "--protocol", protocol)
+        assert r["error"] and message in r["error"], (what, r["error"])
+        assert "Traceback" not in r["error"]
+    good = [["text_input", "BYTES", EXACT_PROMPTS[0]], ["max_tokens", "INT32", MAX_TOKENS], ["mode", "BYTES", "ar"],
+            ["stream", "BOOL", protocol == "grpc"]]
+    [r] = client(server, "raw", json.dumps(good), "--protocol", protocol)
+    assert r["error"] is None and r["token_ids"] == references[("ar", EXACT_PROMPTS[0])][1]
+    assert server.ready()
