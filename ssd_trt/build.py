@@ -43,21 +43,35 @@ def check_same_tokenizer(target_tok, draft_tok, target_vocab: int, draft_vocab: 
                           "trained with the target's tokenizer")
 
 
-def prepare_output_dir(out: Path, recipe: Recipe, force: bool) -> None:
-    """Refuse to mix artifacts of two recipes in one directory unless --force (which clears it)."""
-    manifest = out / MANIFEST_NAME
+BUILDING_MARKER = ".building"   # names the recipe of a build in progress (or interrupted)
+
+
+def _owner(out: Path) -> str | None:
+    """The recipe whose artifacts ``out`` holds: from the manifest, else an in-progress marker."""
+    manifest, marker = out / MANIFEST_NAME, out / BUILDING_MARKER
     if manifest.is_file():
         try:
-            previous = json.loads(manifest.read_text()).get("recipe", {}).get("name")
+            return json.loads(manifest.read_text()).get("recipe", {}).get("name")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            previous = "<unreadable manifest>"
-        if previous != recipe.name and not force:
-            raise RecipeError(f"{out} holds artifacts of recipe {previous!r}, not {recipe.name!r}; choose "
-                              f"another output_dir or pass --force to replace them")
+            return "<unreadable manifest>"
+    if marker.is_file():
+        return marker.read_text().strip() or "<unknown>"
+    if out.is_dir() and any(out.iterdir()):
+        return "<unknown: files without a manifest>"
+    return None
+
+
+def prepare_output_dir(out: Path, recipe: Recipe, force: bool) -> None:
+    """Refuse to mix artifacts of two recipes in one directory unless --force (which clears it)."""
+    previous = _owner(out)
+    if previous is not None and previous != recipe.name and not force:
+        raise RecipeError(f"{out} holds artifacts of recipe {previous!r}, not {recipe.name!r}; choose "
+                          f"another output_dir or pass --force to replace them")
     if out.exists() and force:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    manifest.unlink(missing_ok=True)  # a half-finished build never looks complete
+    (out / BUILDING_MARKER).write_text(recipe.name)
+    (out / MANIFEST_NAME).unlink(missing_ok=True)  # a half-finished build never looks complete
 
 
 def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> Path:
@@ -135,6 +149,7 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> P
         "tools": tool_versions(), "build_seconds": round(time.time() - started, 1),
     }
     write_manifest(out, manifest)
+    (out / BUILDING_MARKER).unlink(missing_ok=True)
     return out
 
 

@@ -81,6 +81,8 @@ def load_recipe(path: str | Path) -> Recipe:
         data = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise RecipeError(f"recipe {path} nests too deeply to be a recipe; see README 'Writing a recipe'") from None
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {path} must be a YAML mapping with keys name, target, draft, engine; "
                           f"got {type(data).__name__}")

@@ -207,6 +207,7 @@ class Generator:
                 raise
 
         seqs = Sequences(params, self.eos_ids, len(prompt_ids), guarded if on_tokens else None)
+        stats: dict = {}
         try:
             stats = self._run(mode, prompt_ids, seqs, rng)
         except Cancelled:
@@ -220,6 +221,10 @@ class Generator:
                               f"for this request, the engines are ready for the next one") from exc
         finally:
             self.free_slots()
+            if stats.get("draft_failures"):
+                # the failed draft may still be running (a hang): never reuse it; the next request
+                # that needs a draft opens a fresh engine
+                self._engines.pop("draft", None)
         stats = {**seqs.timing_stats(), **stats}
         return [GenerationResult(self.tokenizer.decode(tokens, skip_special_tokens=True), tokens,
                                  {**stats, "row_tokens": len(tokens)}) for tokens in seqs.tokens]

@@ -10,6 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ssd_trt
@@ -22,6 +23,7 @@ MODES = ("ar", "sd", "ssd")
 EXACT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CONCURRENT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 CONCURRENCY = 32
+SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.95, seed=7)
 
 
 # -- pieces that need no server ------------------------------------------------------------------
@@ -73,6 +75,9 @@ def references(smollm2_build) -> dict[tuple[str, str], list[int]]:
     refs = {(mode, p): gen.generate(p, params, mode=mode)[0] for mode in MODES for p in EXACT_PROMPTS}
     refs.update({("ssd", p): gen.generate(p, params, mode="ssd")[0]
                  for p in CONCURRENT_PROMPTS if ("ssd", p) not in refs})
+    as_fp32 = {k: float(np.float32(v)) if isinstance(v, float) else v for k, v in SAMPLED.items()}  # wire type
+    sampled = ssd_trt.SamplingParams(max_new_tokens=MAX_TOKENS, **as_fp32)
+    refs[("sampled", EXACT_PROMPTS[0])] = gen.generate(EXACT_PROMPTS[0], sampled, mode="ar")[0]
     return {key: (r.text, r.token_ids) for key, r in refs.items()}
 
 
@@ -124,6 +129,15 @@ def test_greedy_over_triton_equals_generate(server, references, protocol):
             assert r["chunks"] >= 1                          # streamed, then a final response
         if r["mode"] != "ar":
             assert r["stats"]["accepted_tokens"] >= 0 and r["stats"]["acceptance_rate"] is not None
+
+
+@pytest.mark.slow
+def test_seeded_sampling_over_triton_equals_generate(server, references):
+    [r] = client(server, "generate", "--protocol", "http", "--mode", "ar", "--prompt", EXACT_PROMPTS[0],
+                 "--max-tokens", str(MAX_TOKENS), "--temperature", str(SAMPLED["temperature"]),
+                 "--top-k", str(SAMPLED["top_k"]), "--top-p", str(SAMPLED["top_p"]), "--seed", str(SAMPLED["seed"]),
+                 "--json")
+    assert r["error"] is None and (r["text"], r["token_ids"]) == references[("sampled", EXACT_PROMPTS[0])]
 
 
 @pytest.mark.slow

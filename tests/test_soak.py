@@ -5,6 +5,7 @@ context, threads do not pile up, resident memory stays within a bound, and greed
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import tracemalloc
 
@@ -24,7 +25,6 @@ RSS_GROWTH_BOUND = 64 << 20           # bytes of resident memory growth allowed 
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
-        import os
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 

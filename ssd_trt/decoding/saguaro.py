@@ -36,7 +36,7 @@ from ssd_trt.decoding.backup import ngram_proposal, point_mass
 from ssd_trt.decoding.batch import Sequences, feed_rows, first_tokens
 from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.sampling import processed_probs, sample, saguaro_probs, verify_chain
+from ssd_trt.decoding.sampling import processed_probs, sample, saguaro_probs, top_tokens, verify_chain
 from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.errors import RequestError
 
@@ -136,7 +136,7 @@ class DraftWorker:
                 logits = glue_logits[row, j].copy()
                 if j < K:
                     logits[glue[row][j + 1]] = -np.inf
-                for token in np.argsort(-logits, kind="stable")[:fan]:
+                for token in top_tokens(logits, fan):
                     row_forks.append((j, int(token)))
             forks.append(row_forks)
         branches = len(forks[0])
@@ -217,105 +217,123 @@ def generate_saguaro(target, draft, prompts: list[list[int]], seqs: Sequences, r
     planner = FanOutPlanner(K, config.fan_out_budget, config.prior_acceptance, config.prior_power)
     worker = DraftWorker(draft, config, params, params.seed)
     use_jit = config.backup == "jit" or (config.backup == "auto" and batch < config.critical_batch)
+    # Not a `with` block: that would wait for a hung draft call. A hung draft is abandoned (its
+    # thread finishes on its own; the runtime retires that draft engine); otherwise the thread is joined.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft")
+    try:
+        return saguaro_rounds(pool, target, worker, planner, prompts, seqs, rng, config, stats, use_jit)
+    finally:
+        pool.shutdown(wait=not stats.draft_hung, cancel_futures=True)
+
+
+def saguaro_rounds(pool: ThreadPoolExecutor, target, worker: DraftWorker, planner: FanOutPlanner,
+            prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator, config: SaguaroConfig,
+            stats: RoundStats, use_jit: bool) -> dict:
+    """The round loop of :func:`generate_saguaro` (target side; draft jobs go to ``pool``)."""
+    params, batch, K = seqs.params, len(prompts), config.draft_len
     timeline: list[dict] = []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft") as pool:
-        def on_draft(fn, *args) -> Future:
-            return pool.submit(fn, *args)
 
-        def draft_result(future: Future):
-            return future.result(timeout=config.draft_timeout_s)
+    def on_draft(fn, *args) -> Future:
+        return pool.submit(fn, *args)
 
-        draft_started = on_draft(worker.start, prompts)        # draft prefill overlaps target prefill
-        bonus = first_tokens(target, prompts, seqs, rng)
+    def draft_result(future: Future):
+        return future.result(timeout=config.draft_timeout_s)
+
+    draft_started = on_draft(worker.start, prompts)        # draft prefill overlaps target prefill
+    bonus = first_tokens(target, prompts, seqs, rng)
+    try:
+        draft_result(draft_started)
+        spec = validate_speculation(draft_result(on_draft(worker.just_in_time, bonus,
+                                                          [planner.shape("backup")] * batch)),
+                                    batch, K, target.spec.vocab_size)
+    except Exception as failure:   # noqa: BLE001 -- any draft failure: finish exactly without it
+        return finish_without_draft(target, seqs, bonus, rng, stats, failure)
+    round_index = 0
+    while not seqs.all_done:
+        shapes = [planner.shape("primary")] * batch          # guesses for the *next* round
+        t_submit = time.perf_counter()
+        cache_future = on_draft(worker.speculate, bonus, spec, shapes)
+
+        # --- target: verify [t*_prev, s_1..s_K] in one pass (concurrently with the draft) ---
+        t_verify = time.perf_counter()
+        start = target.lengths
+        feed = np.concatenate([np.array(bonus)[:, None], spec.tokens], axis=1)
+        logits = target.forward(feed, start[:, None] + np.arange(K + 1)[None, :])
+        outcomes = [verify_chain(spec.tokens[row], None if spec.probs is None else spec.probs[row],
+                                 logits[row], params, rng) for row in range(batch)]
+        t_verified = time.perf_counter()
+        new_lengths = start.copy()
+        accepted_glue = []
+        for row, outcome in enumerate(outcomes):
+            if seqs.done[row]:
+                accepted_glue.append([])
+                continue
+            seqs.commit(row, [int(t) for t in spec.tokens[row, :outcome.accepted]] + [outcome.bonus])
+            stats.record_round(outcome.accepted)
+            new_lengths[row] = start[row] + 1 + outcome.accepted
+            accepted_glue.append([bonus[row]] + [int(t) for t in spec.tokens[row, :outcome.accepted]])
+        target.rollback(new_lengths)
+
+        # --- lookup: a hit is the next speculation, ready now ---
         try:
-            draft_result(draft_started)
-            spec = draft_result(on_draft(worker.just_in_time, bonus, [planner.shape("backup")] * batch))
-        except Exception as failure:   # noqa: BLE001 -- any draft failure: finish exactly without it
-            return finish_without_draft(target, seqs, bonus, rng, stats, failure)
-        round_index = 0
-        while not seqs.all_done:
-            shapes = [planner.shape("primary")] * batch          # guesses for the *next* round
-            t_submit = time.perf_counter()
-            cache_future = on_draft(worker.speculate, bonus, spec, shapes)
+            cache = validate_cache(draft_result(cache_future), batch, K, target.spec.vocab_size)
+        except Exception as failure:   # noqa: BLE001
+            return finish_without_draft(target, seqs, [o.bonus for o in outcomes], rng, stats, failure)
+        t_looked_up = time.perf_counter()
+        next_tokens = np.zeros((batch, K), dtype=np.int64)
+        next_probs = None if params.greedy else np.zeros((batch, K, target.spec.vocab_size))
+        sources, missed = [], []
+        for row, outcome in enumerate(outcomes):
+            key = (row, outcome.accepted, outcome.bonus)
+            own_next = int(spec.tokens[row, outcome.accepted]) if outcome.accepted < K else None
+            rank = bonus_rank(cache.glue_logits[row, outcome.accepted], own_next, outcome.bonus)
+            planner.curve(spec.sources[row]).observe(outcome.accepted, K, rank)
+            if seqs.done[row]:
+                sources.append("primary")
+                continue
+            hit = key in cache.entries
+            stats.record_lookup(outcome.accepted, hit)
+            if hit:
+                next_tokens[row], row_probs = cache.entries[key]
+                if next_probs is not None:
+                    next_probs[row] = row_probs
+                sources.append("primary")
+            else:
+                missed.append(row)
+                sources.append("jit" if use_jit else "ngram")
+        bonus = [o.bonus for o in outcomes]
+        on_draft(worker.commit, accepted_glue)
 
-            # --- target: verify [t*_prev, s_1..s_K] in one pass (concurrently with the draft) ---
-            t_verify = time.perf_counter()
-            start = target.lengths
-            feed = np.concatenate([np.array(bonus)[:, None], spec.tokens], axis=1)
-            logits = target.forward(feed, start[:, None] + np.arange(K + 1)[None, :])
-            outcomes = [verify_chain(spec.tokens[row], None if spec.probs is None else spec.probs[row],
-                                     logits[row], params, rng) for row in range(batch)]
-            t_verified = time.perf_counter()
-            new_lengths = start.copy()
-            accepted_glue = []
-            for row, outcome in enumerate(outcomes):
-                if seqs.done[row]:
-                    accepted_glue.append([])
-                    continue
-                seqs.commit(row, [int(t) for t in spec.tokens[row, :outcome.accepted]] + [outcome.bonus])
-                stats.record_round(outcome.accepted)
-                new_lengths[row] = start[row] + 1 + outcome.accepted
-                accepted_glue.append([bonus[row]] + [int(t) for t in spec.tokens[row, :outcome.accepted]])
-            target.rollback(new_lengths)
-
-            # --- lookup: a hit is the next speculation, ready now ---
+        # --- miss: backup speculator ---
+        if missed and use_jit:
             try:
-                cache = validate_cache(draft_result(cache_future), batch, K, target.spec.vocab_size)
+                backup = validate_speculation(draft_result(on_draft(worker.just_in_time, bonus,
+                                                                    [planner.shape("backup")] * batch)),
+                                              batch, K, target.spec.vocab_size)
             except Exception as failure:   # noqa: BLE001
-                return finish_without_draft(target, seqs, [o.bonus for o in outcomes], rng, stats, failure)
-            t_looked_up = time.perf_counter()
-            next_tokens = np.zeros((batch, K), dtype=np.int64)
-            next_probs = None if params.greedy else np.zeros((batch, K, target.spec.vocab_size))
-            sources, missed = [], []
-            for row, outcome in enumerate(outcomes):
-                key = (row, outcome.accepted, outcome.bonus)
-                own_next = int(spec.tokens[row, outcome.accepted]) if outcome.accepted < K else None
-                rank = bonus_rank(cache.glue_logits[row, outcome.accepted], own_next, outcome.bonus)
-                planner.curve(spec.sources[row]).observe(outcome.accepted, K, rank)
-                if seqs.done[row]:
-                    sources.append("primary")
-                    continue
-                hit = key in cache.entries
-                stats.record_lookup(outcome.accepted, hit)
-                if hit:
-                    next_tokens[row], row_probs = cache.entries[key]
-                    if next_probs is not None:
-                        next_probs[row] = row_probs
-                    sources.append("primary")
-                else:
-                    missed.append(row)
-                    sources.append("jit" if use_jit else "ngram")
-            bonus = [o.bonus for o in outcomes]
-            on_draft(worker.commit, accepted_glue)
-
-            # --- miss: backup speculator ---
-            if missed and use_jit:
-                try:
-                    backup = draft_result(on_draft(worker.just_in_time, bonus, [planner.shape("backup")] * batch))
-                except Exception as failure:   # noqa: BLE001
-                    return finish_without_draft(target, seqs, bonus, rng, stats, failure)
-                for row in missed:
-                    next_tokens[row] = backup.tokens[row]
-                    if next_probs is not None:
-                        next_probs[row] = backup.probs[row]
-            elif missed:
-                for row in missed:
-                    context = prompts[row] + seqs.tokens[row]
-                    next_tokens[row] = ngram_proposal(context, K)
-                    if next_probs is not None:
-                        next_probs[row] = point_mass(list(next_tokens[row]), target.spec.vocab_size)
+                return finish_without_draft(target, seqs, bonus, rng, stats, failure)
             for row in missed:
-                stats.backup_rounds[sources[row]] += 1
-            t_done = time.perf_counter()
-            stats.add_time(draft_s=max(0.0, cache.finished - cache.started), verify_s=t_verified - t_verify,
-                           wait_s=max(0.0, t_looked_up - t_verified) + (t_done - t_looked_up))
-            timeline.append({"round": round_index, "verify": [t_verify - seqs.started, t_verified - seqs.started],
-                             "draft": [cache.started - seqs.started, cache.finished - seqs.started],
-                             "submitted": t_submit - seqs.started, "hits": batch - len(missed),
-                             "backup": len(missed), "backup_s": t_done - t_looked_up,
-                             "accepted": [o.accepted for o in outcomes], "source": list(spec.sources)})
-            spec = Speculation(next_tokens, next_probs, sources)
-            round_index += 1
+                next_tokens[row] = backup.tokens[row]
+                if next_probs is not None:
+                    next_probs[row] = backup.probs[row]
+        elif missed:
+            for row in missed:
+                context = prompts[row] + seqs.tokens[row]
+                next_tokens[row] = ngram_proposal(context, K)
+                if next_probs is not None:
+                    next_probs[row] = point_mass(list(next_tokens[row]), target.spec.vocab_size)
+        for row in missed:
+            stats.backup_rounds[sources[row]] += 1
+        t_done = time.perf_counter()
+        stats.add_time(draft_s=max(0.0, cache.finished - cache.started), verify_s=t_verified - t_verify,
+                       wait_s=max(0.0, t_looked_up - t_verified) + (t_done - t_looked_up))
+        timeline.append({"round": round_index, "verify": [t_verify - seqs.started, t_verified - seqs.started],
+                         "draft": [cache.started - seqs.started, cache.finished - seqs.started],
+                         "submitted": t_submit - seqs.started, "hits": batch - len(missed),
+                         "backup": len(missed), "backup_s": t_done - t_looked_up,
+                         "accepted": [o.accepted for o in outcomes], "source": list(spec.sources)})
+        spec = Speculation(next_tokens, next_probs, sources)
+        round_index += 1
     summary = stats.summary()
     summary.update(overlap_summary(timeline))
     summary.update({"fan_out": planner.describe(), "timeline": timeline, "saguaro_c": config.saguaro_c,
@@ -332,6 +350,15 @@ def validate_cache(cache: SpeculationCache, batch: int, draft_len: int, vocab: i
     return cache
 
 
+def validate_speculation(spec: Speculation, batch: int, draft_len: int, vocab: int) -> Speculation:
+    """Refuse a just-in-time speculation of the wrong shape or with out-of-vocabulary tokens."""
+    tokens = np.asarray(spec.tokens)
+    if tokens.shape != (batch, draft_len) or (tokens.size and (tokens.min() < 0 or tokens.max() >= vocab)):
+        raise ValueError(f"draft returned a malformed speculation (shape {tokens.shape}, expected "
+                         f"{(batch, draft_len)}, tokens within 0..{vocab - 1})")
+    return spec
+
+
 def finish_without_draft(target, seqs: Sequences, bonus: list[int], rng: np.random.Generator,
                          stats: RoundStats, failure: BaseException) -> dict:
     """The draft died, hung or returned garbage: finish every row target-only, exactly as AR would.
@@ -340,6 +367,7 @@ def finish_without_draft(target, seqs: Sequences, bonus: list[int], rng: np.rand
     """
     from ssd_trt.decoding.autoregressive import continue_autoregressive
     stats.draft_failures.append(f"{type(failure).__name__}: {failure}")
+    stats.draft_hung = isinstance(failure, FutureTimeout)
     continue_autoregressive(target, seqs, bonus, rng)
     summary = stats.summary()
     summary["fallback"] = "autoregressive (draft failed)"

@@ -52,6 +52,15 @@ def saguaro_probs(probs: np.ndarray, fan_out: int, downweight: float) -> np.ndar
     return scaled / scaled.sum(axis=-1, keepdims=True)
 
 
+def top_tokens(logits: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` highest-scoring token ids, best first (O(V) partition, then a tiny sort)."""
+    count = min(count, logits.shape[-1])
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    top = np.argpartition(-logits, count - 1)[:count]
+    return top[np.argsort(-logits[top], kind="stable")]
+
+
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Inverse-CDF draw of one token from a probability vector."""
     cdf = np.cumsum(probs)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ssd_trt.decoding.batch import Sequences, feed_ragged, first_tokens
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.sampling import (next_token, processed_probs, sample, verify_chain,
+from ssd_trt.decoding.sampling import (next_token, processed_probs, sample, top_tokens, verify_chain,
                                        verify_tree_children)
 from ssd_trt.decoding.stats import RoundStats
 
@@ -111,7 +111,7 @@ def generate_tree_speculative(target, draft, prompts: list[list[int]], seqs: Seq
                     siblings = [m for m in level if parents[m] == parent]
                     logits = level_logits[parent][row]
                     if params.greedy:
-                        top = np.argsort(-logits, kind="stable")[:len(siblings)]
+                        top = top_tokens(logits, len(siblings))
                         nodes[row, n] = top[siblings.index(n)]
                     else:
                         q = node_probs.setdefault((row, parent), processed_probs(logits, params))

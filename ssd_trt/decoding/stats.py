@@ -21,6 +21,7 @@ class RoundStats:
     lookups_by_k: Counter = field(default_factory=Counter)
     backup_rounds: Counter = field(default_factory=Counter)
     draft_failures: list[str] = field(default_factory=list)
+    draft_hung: bool = False          # a draft call timed out and may still be running
 
     def record_round(self, accepted: int) -> None:
         self.rounds += 1

@@ -41,6 +41,7 @@ class Job:
     stream: bool
     sender: Any                     # the request's InferenceResponseSender
     received: float = field(default_factory=time.perf_counter)
+    gone: bool = False              # a send failed (client went away): send nothing more
 
     def batch_key(self) -> tuple | None:
         """Jobs with equal keys may share one ``generate`` call; sampled jobs never share (None)."""
@@ -234,15 +235,26 @@ class ModelServer:
         self.scheduler.close()
 
     # -- responses -----------------------------------------------------------------------------
-    def _error(self, exc: BaseException):
-        code = getattr(self.pb.TritonError, "INVALID_ARG", None) if isinstance(exc, (RequestError, ValueError)) \
-            else getattr(self.pb.TritonError, "INTERNAL", None)
+    def _error(self, exc: BaseException, code: str | None = None):
+        """An error response: INVALID_ARG for bad requests, INTERNAL otherwise (or ``code``)."""
+        code = code or ("INVALID_ARG" if isinstance(exc, (RequestError, ValueError)) else "INTERNAL")
         message = str(exc) if isinstance(exc, SsdTrtError) else f"{type(exc).__name__}: {exc}"
-        error = self.pb.TritonError(message, code) if code is not None else self.pb.TritonError(message)
+        value = getattr(self.pb.TritonError, code, None)
+        error = self.pb.TritonError(message, value) if value is not None else self.pb.TritonError(message)
         return self.pb.InferenceResponse(output_tensors=[], error=error)
 
     def _fail(self, sender, exc: BaseException) -> None:
         sender.send(self._error(exc), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _send(self, job: Job, response, final: bool = False) -> None:
+        """Send to one job; a failure (e.g. a cancelled request) never disturbs the rest of the batch."""
+        if job.gone:
+            return
+        try:
+            job.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as exc:  # noqa: BLE001
+            job.gone = True
+            self.log(f"ssd_trt: dropping a request whose response could not be sent ({exc})")
 
     def _response(self, text: str, token_ids: list[int], stats: dict | None = None):
         tensors = [self.pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
@@ -256,14 +268,24 @@ class ModelServer:
 
     def _generate(self, jobs: list[Job]) -> None:
         """Run one batch (worker thread); every job gets its responses and exactly one final flag."""
-        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        live = []
+        for job in jobs:                                  # clients that gave up while queued
+            cancelled = getattr(job.sender, "is_cancelled", None)
+            if cancelled is not None and cancelled():
+                self._send(job, self._error(RequestError("request cancelled by the client"), "CANCELLED"),
+                           final=True)
+            else:
+                live.append(job)
+        if not live:
+            return
+        jobs = live
         decode = lambda ids: self.generator.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         streams = [Detokenizer(decode) if job.stream else None for job in jobs]
 
         def on_tokens(row: int, token_ids: list[int]) -> None:
             detok = streams[row]
             if detok is not None:
-                jobs[row].sender.send(self._response(detok.push(token_ids), token_ids))
+                self._send(jobs[row], self._response(detok.push(token_ids), token_ids))
 
         try:
             results = self.generator.generate_ids([job.prompt_ids for job in jobs], jobs[0].params,
@@ -272,11 +294,11 @@ class ModelServer:
             if not isinstance(exc, SsdTrtError):
                 self.log(f"ssd_trt: generation failed: {traceback.format_exc()}")
             for job in jobs:
-                self._fail(job.sender, exc)
+                self._send(job, self._error(exc), final=True)
             return
         for job, detok, result in zip(jobs, streams, results):
             stats = request_stats(result.stats, len(result.token_ids))
             if detok is not None:
-                job.sender.send(self._response(detok.finish(result.text), [], stats), flags=final)
+                self._send(job, self._response(detok.finish(result.text), [], stats), final=True)
             else:
-                job.sender.send(self._response(result.text, result.token_ids, stats), flags=final)
+                self._send(job, self._response(result.text, result.token_ids, stats), final=True)

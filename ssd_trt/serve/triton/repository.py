@@ -20,6 +20,7 @@ from pathlib import Path
 import ssd_trt
 from ssd_trt.errors import ArtifactError, SsdTrtError
 from ssd_trt.manifest import read_manifest
+from ssd_trt.runtime import RuntimeOptions
 from ssd_trt.serve.triton import NONSTREAM_SUFFIX, STREAM_MODEL
 from ssd_trt.serve.triton.model_template import MODEL_PY
 
@@ -83,6 +84,10 @@ def export_repository(artifact_dir: str | Path, out: str | Path, options: Export
     if not 0 <= options.max_batch_rows <= max_batch:
         raise SsdTrtError(f"--max-batch-rows must be in 0..{max_batch} (the engine's max batch), "
                           f"got {options.max_batch_rows}")
+    try:
+        RuntimeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.runtime_options.items()})
+    except TypeError as exc:
+        raise SsdTrtError(f"--runtime-options: {exc}; fields are those of ssd_trt.RuntimeOptions") from None
     for role in ("target", "draft"):
         if not (artifact_dir / role).is_dir():
             raise ArtifactError(f"{artifact_dir} has no {role}/ directory; rebuild it")
