@@ -26,9 +26,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--draft-len", type=int, default=None, help="K, draft tokens per round (sd/ssd)")
+    p.add_argument("--tree-widths", default=None, help="sd: verify a token tree, e.g. 2,2,1 children per depth")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of streaming")
     return p
+
+
+def parse_widths(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        from ssd_trt.errors import RequestError
+        raise RequestError(f"--tree-widths must be comma-separated integers such as 2,2,1; got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         import ssd_trt
         params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        generator = ssd_trt.load(args.build_dir, RuntimeOptions(draft_len=args.draft_len))
+        generator = ssd_trt.load(args.build_dir, RuntimeOptions(draft_len=args.draft_len,
+                                                                tree_widths=parse_widths(args.tree_widths)))
         streamed: list[int] = []
         printed = [0]
 

@@ -29,6 +29,7 @@ class RuntimeOptions:
     target_cores: tuple[int, ...] | None = (0,)
     draft_cores: tuple[int, ...] | None = (1,)
     draft_len: int | None = None            # K; None = the strategy's default
+    tree_widths: tuple[int, ...] | None = None   # sd: verify a draft tree (children per depth)
     ssd: dict[str, Any] = field(default_factory=dict)   # SaguaroConfig overrides
 
     def __post_init__(self) -> None:
@@ -41,6 +42,9 @@ class RuntimeOptions:
         if self.draft_len is not None and (isinstance(self.draft_len, bool) or not isinstance(self.draft_len, int)
                                            or not 1 <= self.draft_len <= 32):
             raise RequestError(f"draft_len (K) must be an integer in 1..32, got {self.draft_len!r}")
+        if self.tree_widths is not None and (not self.tree_widths or any(
+                isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.tree_widths)):
+            raise RequestError(f"tree_widths must be positive integers (children per depth), got {self.tree_widths!r}")
         self.saguaro_config()   # validate the SSD overrides once, here
 
     def saguaro_config(self):
@@ -206,6 +210,8 @@ class Generator:
                 callback_failures.append(exc)
                 raise
 
+        for role in ("target",) if mode == "ar" else ("target", "draft"):
+            self.engine(role)          # open sessions before the request's clock starts (TTFT)
         seqs = Sequences(params, self.eos_ids, len(prompt_ids), guarded if on_tokens else None)
         stats: dict = {}
         try:
@@ -252,7 +258,8 @@ class Generator:
         if mode == "sd":
             from ssd_trt.decoding.speculative import generate_speculative
             return generate_speculative(target, self.engine("draft"), prompt_ids, seqs, rng,
-                                        draft_len=self.options.draft_len or 4)
+                                        draft_len=self.options.draft_len or 4,
+                                        tree_widths=list(self.options.tree_widths or []) or None)
         from ssd_trt.decoding.saguaro import generate_saguaro
         return generate_saguaro(target, self.engine("draft"), prompt_ids, seqs, rng, self.options.saguaro_config())
 
