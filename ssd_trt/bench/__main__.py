@@ -37,6 +37,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ssd-k", default="2,3,4", help="K values swept for SSD (best one is reported)")
     p.add_argument("--ssd-budget", default="6,8,12", help="fan-out budgets swept for SSD")
     p.add_argument("--sweep-prompts", type=int, default=5, help="prompts used by the sweeps")
+    p.add_argument("--sweep-once", action="store_true",
+                   help="sweep only under the first setting and reuse its best K / budget for the others")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     return p.parse_args(argv)
 
@@ -65,29 +67,37 @@ def sweep(build_dir, setting, mode, prompts, encoded, params, ar_tps, values, ma
     return points
 
 
-def run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids) -> dict:
+def run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids, chosen: dict | None = None) -> dict:
     build = args.build_dir
     modes = [m for m in args.modes.split(",") if m]
     small, small_ids = prompts[:args.sweep_prompts], encoded[:args.sweep_prompts]
     results, categories, runs_by_mode = {}, {}, {}
     ar_runs = run_engine(build, setting, "ar", prompts, encoded, params)
     runs_by_mode["ar"] = ar_runs
-    ar_small = summarise(run_engine(build, setting, "ar", small, small_ids, params, label="ar sweep"), None)
+    ar_small = summarise([r for r in ar_runs[:len(small)]], None)   # the sweeps' AR reference
     sweeps = {}
+    chosen = dict(chosen or {})
+    best = lambda points: max(points, key=lambda p: p["tokens_per_s"])["value"]  # noqa: E731
     if "sd" in modes:
-        sweeps["sd: K"] = sweep(build, setting, "sd", small, small_ids, params, ar_small["tokens_per_s"],
-                                [int(k) for k in args.sd_k.split(",")], lambda k: {"draft_len": k})
-        best_sd = max(sweeps["sd: K"], key=lambda p: p["tokens_per_s"])["value"]
+        if "sd_k" not in chosen:
+            sweeps["sd: K"] = sweep(build, setting, "sd", small, small_ids, params, ar_small["tokens_per_s"],
+                                    [int(k) for k in args.sd_k.split(",")], lambda k: {"draft_len": k})
+            chosen["sd_k"] = best(sweeps["sd: K"])
+        best_sd = chosen["sd_k"]
         runs_by_mode["sd"] = run_engine(build, setting, "sd", prompts, encoded, params, draft_len=best_sd)
     if "ssd" in modes:
-        sweeps["ssd: K"] = sweep(build, setting, "ssd", small, small_ids, params, ar_small["tokens_per_s"],
-                                 [int(k) for k in args.ssd_k.split(",")], lambda k: {"draft_len": k})
-        best_k = max(sweeps["ssd: K"], key=lambda p: p["tokens_per_s"])["value"]
-        budgets = [max(int(b), best_k + 1) for b in args.ssd_budget.split(",")]
-        sweeps["ssd: fan-out budget"] = sweep(build, setting, "ssd", small, small_ids, params,
-                                              ar_small["tokens_per_s"], budgets,
-                                              lambda b: {"draft_len": best_k, "ssd": {"fan_out_budget": b}})
-        best_budget = max(sweeps["ssd: fan-out budget"], key=lambda p: p["tokens_per_s"])["value"]
+        if "ssd_k" not in chosen:
+            sweeps["ssd: K"] = sweep(build, setting, "ssd", small, small_ids, params, ar_small["tokens_per_s"],
+                                     [int(k) for k in args.ssd_k.split(",")], lambda k: {"draft_len": k})
+            chosen["ssd_k"] = best(sweeps["ssd: K"])
+        best_k = chosen["ssd_k"]
+        if "ssd_budget" not in chosen:
+            budgets = sorted({max(int(b), best_k + 1) for b in args.ssd_budget.split(",")})
+            sweeps["ssd: fan-out budget"] = sweep(build, setting, "ssd", small, small_ids, params,
+                                                  ar_small["tokens_per_s"], budgets,
+                                                  lambda b: {"draft_len": best_k, "ssd": {"fan_out_budget": b}})
+            chosen["ssd_budget"] = best(sweeps["ssd: fan-out budget"])
+        best_budget = chosen["ssd_budget"]
         runs_by_mode["ssd"] = run_engine(build, setting, "ssd", prompts, encoded, params, draft_len=best_k,
                                          ssd={"fan_out_budget": best_budget}, keep_timeline=True)
     target, draft, _ = hf_pair if hf_pair else (None, None, None)
@@ -106,7 +116,7 @@ def run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids) -> di
         model["measured_speedup_vs_ar"] = results["ssd"].get("speedup_vs_ar")
     timeline = next((r.stats["timeline"] for r in runs_by_mode.get("ssd", []) if r.stats.get("timeline")), [])
     return {"summary": results, "by_category": categories, "sweeps": sweeps, "speed_model": model,
-            "timeline": timeline, "setting": setting.description}
+            "timeline": timeline, "setting": setting.description, "chosen": chosen}
 
 
 def table(name: str, summary: dict) -> str:
@@ -149,9 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                          "hf_note": None if hf_pair is None else hf_pair[2],
                          "weights": "fp32 in every mode and baseline"}}
     from ssd_trt.bench import plots
+    chosen: dict = {}
     for key in args.settings.split(","):
         setting = SETTINGS[key]
-        outcome = run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids)
+        outcome = run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids,
+                              chosen if args.sweep_once else None)
+        chosen = outcome["chosen"]
+        report.setdefault("chosen", {})[setting.name] = chosen
         field = "summary" if key == "paper" else "summary_equal_cores"
         report[field] = outcome["summary"]
         report.setdefault("by_category", {})[setting.name] = outcome["by_category"]
