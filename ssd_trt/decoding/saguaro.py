@@ -167,9 +167,10 @@ class DraftWorker:
     def just_in_time(self, bonus: list[int], shapes: list[list[int]]) -> Speculation:
         """Neural backup: draft K tokens after each row's new bonus token, synchronously."""
         K, batch = self.config.draft_len, len(bonus)
-        logits = self._flush_pending([[b] for b in bonus])[:, 0]
-        start = self.draft.lengths
-        self.draft.forward(np.array(bonus)[:, None], (start - 0)[:, None].astype(np.int64))  # bonus into cache
+        fed = [p + [b] for p, b in zip(self.pending, bonus)]       # pending prefix + the bonus token
+        logits = feed_rows(self.draft, fed)[np.arange(batch), [len(f) - 1 for f in fed]]
+        self.pending = [[] for _ in bonus]
+        start = self.draft.lengths - 1                              # the prefix, without the bonus
         tokens = np.zeros((batch, K), dtype=np.int64)
         probs = None if self.params.greedy else np.zeros((batch, K, self.draft.spec.vocab_size))
         for i in range(K):
@@ -179,7 +180,7 @@ class DraftWorker:
                     probs[row, i] = q
             if i + 1 < K:
                 logits = self.draft.forward(tokens[:, i:i + 1], self.draft.lengths[:, None].astype(np.int64))[:, 0]
-        self.draft.rollback(start)            # the glue decode of the next round re-reads these
+        self.draft.rollback(start)   # drop bonus + drafted tokens: the next glue decode re-reads them
         return Speculation(tokens, probs, ["jit"] * batch)
 
 

@@ -178,6 +178,8 @@ def train(model: DraftModel, train_s: list[Sample], held: list[Sample], c: Train
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, best, history, elapsed = st["step"], st["best"], st["history"], st["elapsed"]
+        if st.get("n_held") != len(held):
+            best = -1.0  # resumed on more data: the held-out set changed, old scores do not compare
         _set_rng_state(st["rng"])
         log(f"resumed at step {step}")
     n_per_epoch = len(train_s) // c.batch
@@ -213,7 +215,7 @@ def train(model: DraftModel, train_s: list[Sample], held: list[Sample], c: Train
                 save_draft(model, out / "best")
             save_draft(model, out / "last")
             st = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
-                  "history": history, "elapsed": time.time() - t0, "rng": _rng_state(), "config": c.__dict__}
+                  "history": history, "elapsed": time.time() - t0, "n_held": len(held), "rng": _rng_state(), "config": c.__dict__}
             torch.save(st, ckpt.with_suffix(".tmp"))
             ckpt.with_suffix(".tmp").replace(ckpt)  # atomic: a kill mid-save keeps the old checkpoint
     bar.close()

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Reproduce the README's benchmark table on the embedded default (2-core CPU, batch 1, greedy, 128 tokens).
+# Run on an otherwise idle machine: every number is a ratio measured side by side in this one run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -f build/smollm2-135m/manifest.json ] || $PY -m ssd_trt.build recipes/smollm2-135m.yaml
+exec $PY -m ssd_trt.bench build/smollm2-135m --chat --limit-per-category ${PER_CATEGORY:-2} \
+  --max-new-tokens 128 --sd-k 2,3,4 --ssd-k 2,3,4 --ssd-budget 6,10 --sweep-prompts 3 --sweep-once \
+  --out ${OUT:-runs/bench} "$@"
