@@ -118,9 +118,10 @@ def assert_no_slots_held(gen) -> None:
 
 
 # -- draft faults in SSD mode: output identical to AR, the failure recorded ---------------------------
-# Forward calls of the draft: 0..K the first just-in-time speculation (K its last, unfed draw), K+1 the
-# first glue decode, K+2..2K+1 its tree steps (2K+1 the last, unfed), later rounds after that.
-JIT_LAST, TREE_LAST = K, 2 * K + 1
+# Forward calls of the draft: 0..K-1 the first just-in-time speculation (prefix + bonus, then K-1
+# steps; K-1 gives its last, unfed draw), K the first glue decode, K+1..2K its tree steps (2K the last,
+# unfed), later rounds after that.
+JIT_LAST, TREE_LAST = K - 1, 2 * K
 DRAFT_FAULTS = [("reset", 0), ("crash", 0), ("crash", 2), ("crash", K + 1), ("crash", K + 3), ("crash", 40),
                 ("hang", 0), ("hang", K + 2), ("short", 0), ("short", K + 1), ("wide", 0), ("wide", K + 1)]
 
