@@ -192,8 +192,10 @@ class Generator:
                        for t in ids):
                 raise RequestError(f"prompt {row} holds token ids outside 0..{vocab - 1} (or not integers); "
                                    f"encode prompts with this build's tokenizer")
-            if len(ids) + params.max_new_tokens > self.limits["max_context"]:
-                raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+            headroom = self.speculation_headroom(mode)
+            if len(ids) + params.max_new_tokens + headroom > self.limits["max_context"]:
+                extra = f" + {headroom} slots for {mode} speculation" if headroom else ""
+                raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}){extra} "
                                    f"exceeds the engine's max context {self.limits['max_context']}; lower "
                                    f"max_new_tokens or shorten the prompt")
         if mode != "ar" and (self.options.draft_len or 4) > self.limits["max_draft_len"]:
@@ -234,6 +236,21 @@ class Generator:
         stats = {**seqs.timing_stats(), **stats}
         return [GenerationResult(self.tokenizer.decode(tokens, skip_special_tokens=True), tokens,
                                  {**stats, "row_tokens": len(tokens)}) for tokens in seqs.tokens]
+
+    def speculation_headroom(self, mode: str) -> int:
+        """Cache slots a mode may write past the committed text: the K+1 verified tokens, and for SSD the
+        draft's tree region (glue K+1 plus K steps of every branch)."""
+        if mode == "ar":
+            return 0
+        draft_len = self.options.draft_len or 4
+        if mode == "sd":
+            widths = self.options.tree_widths
+            nodes, level = 1, 1
+            for width in widths or ():
+                level *= width
+                nodes += level
+            return nodes if widths else draft_len + 1
+        return draft_len + 1 + draft_len * self.options.saguaro_config().fan_out_budget
 
     def free_slots(self) -> None:
         """Give back every engine's KV slots (lengths -> 0); buffers stay allocated for the next request."""

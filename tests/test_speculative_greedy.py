@@ -51,3 +51,19 @@ def test_greedy_tree_verification_equals_autoregressive(tiny_pairs, widths):
                                      np.random.default_rng(0), tree_widths=widths)
         assert seqs.tokens == reference
         assert stats["mean_accepted"] > 0
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_requests_at_the_context_limit_finish_exactly_or_are_refused_up_front(tiny_pairs, mode):
+    from ssd_trt.errors import RequestError
+    gen = ssd_trt.load(tiny_pairs["perturbed"])
+    limit = gen.limits["max_context"]
+    headroom = gen.speculation_headroom(mode)
+    prompt = [1] + [5 + (i % 200) for i in range(150)]
+    fits = SamplingParams(max_new_tokens=limit - len(prompt) - headroom, stop_on_eos=False)
+    [expected] = gen.generate_ids([prompt], fits, mode="ar")
+    [result] = gen.generate_ids([prompt], fits, mode=mode)
+    assert result.token_ids == expected.token_ids and len(result.token_ids) == fits.max_new_tokens
+    too_long = SamplingParams(max_new_tokens=fits.max_new_tokens + 1, stop_on_eos=False)
+    with pytest.raises(RequestError, match=f"slots for {mode} speculation"):
+        gen.generate_ids([prompt], too_long, mode=mode)
