@@ -30,6 +30,7 @@ class RuntimeOptions:
     draft_cores: tuple[int, ...] | None = (1,)
     draft_len: int | None = None            # K; None = the strategy's default
     tree_widths: tuple[int, ...] | None = None   # sd: verify a draft tree (children per depth)
+    spin: bool | None = None                # ORT thread-pool spinning; None: off when the models share cores
     ssd: dict[str, Any] = field(default_factory=dict)   # SaguaroConfig overrides
 
     def __post_init__(self) -> None:
@@ -46,6 +47,15 @@ class RuntimeOptions:
                 isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.tree_widths)):
             raise RequestError(f"tree_widths must be positive integers (children per depth), got {self.tree_widths!r}")
         self.saguaro_config()   # validate the SSD overrides once, here
+
+    @property
+    def spinning(self) -> bool:
+        """Spin-waiting pays only when a session has its cores to itself."""
+        if self.spin is not None:
+            return self.spin
+        shared = (self.target_cores is None or self.draft_cores is None
+                  or bool(set(self.target_cores) & set(self.draft_cores)))
+        return not (shared and max(self.target_threads, self.draft_threads) > 1)
 
     def saguaro_config(self):
         from ssd_trt.decoding.saguaro import SaguaroConfig
@@ -121,7 +131,8 @@ class Generator:
             from ssd_trt.engines.ort import OrtEngine
             threads = self.options.target_threads if role == "target" else self.options.draft_threads
             cores = self.options.target_cores if role == "target" else self.options.draft_cores
-            self._engines[role] = OrtEngine(self.root / role / "model.ort.onnx", self.spec(role), threads, cores)
+            self._engines[role] = OrtEngine(self.root / role / "model.ort.onnx", self.spec(role), threads, cores,
+                                            spin=self.options.spinning)
         return self._engines[role]
 
     # -- requests ------------------------------------------------------------------------------

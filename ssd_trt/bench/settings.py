@@ -24,8 +24,10 @@ class Setting:
             return RuntimeOptions(target_threads=1, draft_threads=1, target_cores=(0,), draft_cores=(1,),
                                   draft_len=draft_len, ssd=dict(ssd or {}))
         cores = (0,) if self.single_threads == 1 else (0, 1)
+        # AR runs one session, which may spin; SD's two sessions share the cores, so they must not
         return RuntimeOptions(target_threads=self.single_threads, draft_threads=self.single_threads,
-                              target_cores=cores, draft_cores=cores, draft_len=draft_len)
+                              target_cores=cores, draft_cores=cores, draft_len=draft_len,
+                              spin=True if mode == "ar" else None)
 
 
 PAPER_STYLE = Setting("paper-style", "target on 1 core in every mode; SSD adds its draft on a 2nd core", 1)
