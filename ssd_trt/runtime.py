@@ -82,8 +82,9 @@ class Generator:
         self.manifest = read_manifest(self.root)
         if verify_checksums:
             verify_artifacts(self.root, self.manifest, roles=("target", "draft"))
-        self.options = options or RuntimeOptions()
         self.limits = self.manifest["recipe"]["engine"]
+        threads = int(self.limits.get("threads_per_engine", 1))
+        self.options = options or RuntimeOptions(target_threads=threads, draft_threads=threads)
         from transformers import AutoTokenizer
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.root / "tokenizer")
