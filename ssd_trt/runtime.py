@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence

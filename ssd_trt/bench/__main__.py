@@ -74,30 +74,26 @@ def run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids, chose
     results, categories, runs_by_mode = {}, {}, {}
     ar_runs = run_engine(build, setting, "ar", prompts, encoded, params)
     runs_by_mode["ar"] = ar_runs
-    ar_small = summarise([r for r in ar_runs[:len(small)]], None)   # the sweeps' AR reference
-    sweeps = {}
+    ar_small = summarise(ar_runs[:len(small)], None)   # the sweeps' AR reference
+    sweeps: dict = {}
     chosen = dict(chosen or {})
-    best = lambda points: max(points, key=lambda p: p["tokens_per_s"])["value"]  # noqa: E731
+
+    def pick(key: str, label: str, mode: str, values: list[int], make_kwargs) -> int:
+        """The fastest value on the sweep prompts (swept once; reused when ``chosen`` has it)."""
+        if key not in chosen:
+            sweeps[label] = sweep(build, setting, mode, small, small_ids, params, ar_small["tokens_per_s"],
+                                  values, make_kwargs)
+            chosen[key] = max(sweeps[label], key=lambda p: p["tokens_per_s"])["value"]
+        return chosen[key]
+
     if "sd" in modes:
-        if "sd_k" not in chosen:
-            sweeps["sd: K"] = sweep(build, setting, "sd", small, small_ids, params, ar_small["tokens_per_s"],
-                                    [int(k) for k in args.sd_k.split(",")], lambda k: {"draft_len": k})
-            chosen["sd_k"] = best(sweeps["sd: K"])
-        best_sd = chosen["sd_k"]
+        best_sd = pick("sd_k", "sd: K", "sd", [int(k) for k in args.sd_k.split(",")], lambda k: {"draft_len": k})
         runs_by_mode["sd"] = run_engine(build, setting, "sd", prompts, encoded, params, draft_len=best_sd)
     if "ssd" in modes:
-        if "ssd_k" not in chosen:
-            sweeps["ssd: K"] = sweep(build, setting, "ssd", small, small_ids, params, ar_small["tokens_per_s"],
-                                     [int(k) for k in args.ssd_k.split(",")], lambda k: {"draft_len": k})
-            chosen["ssd_k"] = best(sweeps["ssd: K"])
-        best_k = chosen["ssd_k"]
-        if "ssd_budget" not in chosen:
-            budgets = sorted({max(int(b), best_k + 1) for b in args.ssd_budget.split(",")})
-            sweeps["ssd: fan-out budget"] = sweep(build, setting, "ssd", small, small_ids, params,
-                                                  ar_small["tokens_per_s"], budgets,
-                                                  lambda b: {"draft_len": best_k, "ssd": {"fan_out_budget": b}})
-            chosen["ssd_budget"] = best(sweeps["ssd: fan-out budget"])
-        best_budget = chosen["ssd_budget"]
+        best_k = pick("ssd_k", "ssd: K", "ssd", [int(k) for k in args.ssd_k.split(",")], lambda k: {"draft_len": k})
+        budgets = sorted({max(int(b), best_k + 1) for b in args.ssd_budget.split(",")})
+        best_budget = pick("ssd_budget", "ssd: fan-out budget", "ssd", budgets,
+                           lambda b: {"draft_len": best_k, "ssd": {"fan_out_budget": b}})
         runs_by_mode["ssd"] = run_engine(build, setting, "ssd", prompts, encoded, params, draft_len=best_k,
                                          ssd={"fan_out_budget": best_budget}, keep_timeline=True)
     target, draft, _ = hf_pair if hf_pair else (None, None, None)

@@ -81,8 +81,6 @@ def feed_ragged(engine, rows: list[list[int]]) -> np.ndarray:
     return logits[np.arange(len(rows)), np.array([len(r) for r in rows]) - 1]
 
 
-prefill = feed_ragged
-
 
 def first_tokens(target, prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator) -> list[int]:
     """Reset the target, prefill every prompt, sample and commit each row's first token."""

@@ -34,7 +34,7 @@ class OrtEngine:
         options.log_severity_level = 3
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         if self.cores and threads > 1:
-            # threads 2..n of the intra-op pool; thread 1 is the caller, pinned in pin_current_thread.
+            # threads 2..n of the intra-op pool; thread 1 is the caller, pinned by the runtime (affinity.pinned).
             options.add_session_config_entry("session.intra_op_thread_affinities",
                                              ";".join(str(self.cores[i % len(self.cores)] + 1)
                                                       for i in range(1, threads)))

@@ -1,7 +1,6 @@
 """Check the project's decoder against transformers' implementation of the same checkpoint."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from plugins.tree_attention.reference import causal_tree_mask

@@ -74,7 +74,7 @@ def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple
     """Run torch and ONNX Runtime on the same inputs; return per-output max errors and a verdict."""
     import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner
-    from polygraphy.comparator import Comparator, CompareFunc  # noqa: F401
+    from polygraphy.comparator import Comparator
 
     from polygraphy.logger import G_LOGGER
     G_LOGGER.module_severity = G_LOGGER.ERROR
