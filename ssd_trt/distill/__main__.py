@@ -4,6 +4,8 @@ Pipeline (each stage is cached under --out, so an interrupted run picks up where
   1. prompts: ``--prompts`` instruction-style prompts built from the offline corpora (seeded);
   2. teacher: the target continues each prompt (greedy / sampled) and its top-k logits are
      stored for every prompt and continuation position  -> OUT/teacher/shard_*.pt
+     --magpie N adds N user prompts the target writes itself (magpie.py) and prompts derived
+     from its answers                -> OUT/magpie_prompts.jsonl, OUT/teacher_magpie/, OUT/teacher_derived/
   3. draft: a narrow Llama initialised from the target's embeddings, with a reduced head over
      the ``--head-size`` tokens the target favours                      -> OUT/head_ids.pt
   4. train: KL to the target's soft labels, checkpoint every --ckpt-every steps -> OUT/ckpt.pt,
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .corpora import load_corpora
-from .model import DraftConfig, DraftModel, init_from_target, load_draft
+from .model import DraftConfig, DraftModel, copy_draft_weights, init_from_target, load_draft
 from .prompts import build_prompts
 from .teacher import label_prompts, load_samples, load_target
 from .train import TrainConfig, select_head_ids, split_samples, train
@@ -62,11 +64,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--init-from-target", action="store_true",
                     help="initialise embeddings/head from the target's PCA-projected embeddings (measured worse "
                          "than random init at this width, see the model card)")
+    ap.add_argument("--magpie", type=int, default=0,
+                    help="also train on this many user prompts synthesised by the target itself (magpie.py)")
+    ap.add_argument("--derived", type=int, default=None,
+                    help="summarisation/continuation prompts made from the target's answers (default: magpie/3)")
+    ap.add_argument("--init-draft", type=Path, default=None,
+                    help="start from this draft directory (weights copied; the head is re-selected on the current "
+                         "data and rows of tokens it already had are kept); a fresh schedule and optimizer")
     ap.add_argument("--eval-prompts", type=Path, default=DEFAULT_EVAL)
     ap.add_argument("--eval-max-new", type=int, default=64)
     ap.add_argument("--eval-only", type=Path, default=None, help="evaluate this draft directory and exit")
     ap.add_argument("--export", type=Path, default=None, help="copy the best draft + metrics here")
     a = ap.parse_args(argv)
+    if a.magpie < 0 or (a.derived is not None and a.derived < 0):
+        raise ValueError("--magpie and --derived must be >= 0")
     for name in ("prompts", "steps", "batch", "threads", "gen_threads", "topk", "max_new"):
         if getattr(a, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -99,6 +110,19 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     shards = label_prompts(target, tok, prompts, a.out / "teacher", max_new=a.max_new, sample_frac=a.sample_frac,
                            temperature=a.temperature, k=a.topk, seed=a.seed)
+    if a.magpie:
+        from .magpie import derived_prompts, synthesize_prompts
+
+        own = synthesize_prompts(target, tok, a.magpie, a.out / "magpie_prompts.jsonl", seed=a.seed)
+        magpie_shards = label_prompts(target, tok, own, a.out / "teacher_magpie", max_new=a.max_new,
+                                      sample_frac=a.sample_frac, temperature=a.temperature, k=a.topk, seed=a.seed + 1)
+        n_derived = a.magpie // 3 if a.derived is None else a.derived
+        if n_derived:
+            derived = derived_prompts(tok, load_samples(magpie_shards), n_derived, a.seed)
+            magpie_shards += label_prompts(target, tok, derived, a.out / "teacher_derived", max_new=a.max_new,
+                                           sample_frac=a.sample_frac, temperature=a.temperature, k=a.topk,
+                                           seed=a.seed + 2)
+        shards = shards + magpie_shards
     t_teacher = time.time() - t0
     samples = load_samples(shards)
     train_s, held = split_samples(samples)
@@ -115,10 +139,16 @@ def main(argv: list[str] | None = None) -> None:
     head = None
     if a.head_size:
         always = sorted({i for i in (tok.eos_token_id, tok.bos_token_id, cfg.eos_token_id) if i is not None})
-        head = torch.load(head_path) if head_path.exists() else select_head_ids(train_s, a.head_size, always, cfg.vocab_size)
+        resuming = a.resume and (a.out / "ckpt.pt").exists()
+        fresh_head = a.init_draft is not None and not resuming
+        head = (torch.load(head_path) if head_path.exists() and not fresh_head
+                else select_head_ids(train_s, a.head_size, always, cfg.vocab_size))
         torch.save(head, head_path)
     torch.manual_seed(a.seed)
     draft = DraftModel(cfg, head)
+    if a.init_draft is not None:
+        kept = copy_draft_weights(load_draft(a.init_draft), draft)
+        print(f"initialised from {a.init_draft} ({kept} head rows carried over)")
     if a.init_from_target:
         kept = init_from_target(draft, target)
         print(f"initialised from the target's embeddings (projection keeps {kept:.1%} of their energy)")

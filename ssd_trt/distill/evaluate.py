@@ -7,6 +7,9 @@
   the probability that standard speculative sampling accepts a draft token.
 * head coverage: fraction of positions whose target argmax is inside the draft's head (an upper
   bound on agreement for a reduced head).
+* top-F recall: fraction of positions whose target argmax is among the draft's F most likely
+  tokens. This is what an SSD cache hit needs at temperature 0 (the bonus token t* at the first
+  rejected position must be one of the forked guesses), so it bounds the hit rate for fan-out F-1.
 * cost: per-token multiply-accumulates of draft vs target, and batch-1 KV-cache decode time.
 """
 from __future__ import annotations
@@ -55,10 +58,13 @@ def target_continuations(target, tok, prompts: list[Prompt], max_new: int, batch
     return out  # type: ignore[return-value]
 
 
+RECALL_AT = (1, 2, 4, 8, 16)
+
+
 @torch.inference_mode()
 def agreement(target, draft: DraftModel, seqs: list[tuple[list[int], int]], cats: list[str]) -> dict:
     """Teacher-forced greedy agreement, sum(min(p, q)) at T=1 and head coverage, overall and per category."""
-    stats: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    stats: dict[str, list[float]] = defaultdict(lambda: [0.0] * (4 + len(RECALL_AT)))
     head = draft.lm_head_token_ids
     for (ids, n_prompt), cat in zip(seqs, cats):
         if len(ids) <= n_prompt:
@@ -71,11 +77,16 @@ def agreement(target, draft: DraftModel, seqs: list[tuple[list[int], int]], cats
         agree = (q.argmax(-1) == tp).float()
         accept = torch.minimum(p, q).sum(-1)
         cover = torch.isin(tp, head).float() if head is not None else torch.ones_like(agree)
+        rank = (q > q.gather(-1, tp[:, None])).sum(-1)  # 0 = the draft's argmax is the target's
         for key in (cat, "all"):
             s = stats[key]
             s[0] += float(agree.sum()); s[1] += float(accept.sum()); s[2] += float(cover.sum()); s[3] += len(agree)
+            for i, f in enumerate(RECALL_AT):
+                s[4 + i] += float((rank < f).sum())
     return {k: {"greedy_agreement": v[0] / v[3], "expected_acceptance_T1": v[1] / v[3],
-                "head_coverage": v[2] / v[3], "positions": int(v[3])} for k, v in stats.items()}
+                "head_coverage": v[2] / v[3], "positions": int(v[3]),
+                "top_f_recall": {str(f): v[4 + i] / v[3] for i, f in enumerate(RECALL_AT)}}
+            for k, v in stats.items()}
 
 
 @torch.inference_mode()

@@ -262,3 +262,23 @@ def init_from_target(model: DraftModel, target) -> float:
         rows = Ed if model.lm_head_token_ids is None else Ed[model.lm_head_token_ids]
         model.lm_head.weight.copy_(rows)
     return float((S[:d] ** 2).sum() / (S ** 2).sum())
+
+
+def copy_draft_weights(src: DraftModel, dst: DraftModel) -> int:
+    """Copy every weight of ``src`` into ``dst`` (same architecture); head rows are matched by
+    token id, so a re-selected head keeps what was learnt for tokens both heads contain (the
+    others keep their fresh init). Returns the number of head rows carried over."""
+    if src.config != dst.config:
+        raise ValueError(f"--init-draft architecture {src.config} differs from the requested {dst.config}")
+    with torch.no_grad():
+        for name, p in dst.model.state_dict().items():
+            p.copy_(src.model.state_dict()[name])
+        V = dst.config.vocab_size
+        src_ids = torch.arange(V) if src.lm_head_token_ids is None else src.lm_head_token_ids
+        dst_ids = torch.arange(V) if dst.lm_head_token_ids is None else dst.lm_head_token_ids
+        row_of = torch.full((V,), -1, dtype=torch.long)
+        row_of[src_ids] = torch.arange(len(src_ids))
+        rows = row_of[dst_ids]
+        have = rows >= 0
+        dst.lm_head.weight[have] = src.lm_head.weight[rows[have]]
+    return int(have.sum())
