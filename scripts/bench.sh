@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -f build/smollm2-135m/manifest.json ] || $PY -m ssd_trt.build recipes/smollm2-135m.yaml
+$PY -m ssd_trt.build recipes/smollm2-135m.yaml --if-stale   # rebuilds when the recipe or a model changed
 exec $PY -m ssd_trt.bench build/smollm2-135m --chat --limit-per-category ${PER_CATEGORY:-2} \
   --max-new-tokens 128 --sd-k 2,3,4 --ssd-k 2,3,4 --ssd-budget 6,10 --sweep-prompts 3 --sweep-once \
   --out ${OUT:-runs/bench} "$@"

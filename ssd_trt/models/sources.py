@@ -57,3 +57,17 @@ def resolve_source(source: str, base_dirs: tuple[Path, ...] = ()) -> ResolvedSou
     tried = ", ".join(str(p) for p in candidates)
     raise RecipeError(f"model source {source!r} does not exist (looked at: {tried}); give an HF checkpoint "
                      f"dir, a .gguf file, or pkg:<module>/<file>")
+
+
+def source_fingerprint(source: ResolvedSource) -> str:
+    """sha256 over the files a build reads from ``source`` (the GGUF file, or every regular file
+    of an HF dir: config, weights, tokenizer), so a changed checkpoint makes a build stale."""
+    import hashlib
+
+    from ssd_trt.manifest import sha256_file
+
+    files = [source.path] if source.kind == "gguf" else sorted(p for p in source.path.iterdir() if p.is_file())
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0{sha256_file(path)}\n".encode())
+    return digest.hexdigest()
