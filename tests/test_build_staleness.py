@@ -37,6 +37,12 @@ def test_changed_draft_weights_make_the_build_stale(tiny_build):
     assert reason is not None and "draft model files changed" in reason
 
 
+def test_a_model_card_next_to_the_weights_does_not_make_it_stale(tiny_build):
+    recipe, _, draft, _ = tiny_build
+    (draft / "README.md").write_text("# model card, edited\n")
+    assert stale_reason(recipe, root=recipe.parent) is None
+
+
 def test_edited_recipe_makes_the_build_stale(tiny_build):
     recipe, _, draft, target = tiny_build
     write_recipe(recipe, target, draft, name="tiny-stale", max_batch=2)

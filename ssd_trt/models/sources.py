@@ -59,14 +59,20 @@ def resolve_source(source: str, base_dirs: tuple[Path, ...] = ()) -> ResolvedSou
                      f"dir, a .gguf file, or pkg:<module>/<file>")
 
 
+# Files of an HF checkpoint dir that can change what a build produces (config, weights, tokenizer);
+# a model card or a training script next to them does not.
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".tiktoken")
+
+
 def source_fingerprint(source: ResolvedSource) -> str:
-    """sha256 over the files a build reads from ``source`` (the GGUF file, or every regular file
-    of an HF dir: config, weights, tokenizer), so a changed checkpoint makes a build stale."""
+    """sha256 over the files a build reads from ``source`` (the GGUF file, or the config, weight
+    and tokenizer files of an HF dir), so a changed checkpoint makes a build stale."""
     import hashlib
 
     from ssd_trt.manifest import sha256_file
 
-    files = [source.path] if source.kind == "gguf" else sorted(p for p in source.path.iterdir() if p.is_file())
+    files = [source.path] if source.kind == "gguf" else sorted(
+        p for p in source.path.iterdir() if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES)
     digest = hashlib.sha256()
     for path in files:
         digest.update(f"{path.name}\0{sha256_file(path)}\n".encode())
