@@ -19,20 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from tqdm import tqdm
 
 import ssd_trt
-from ssd_trt.bench.prompts import load_prompts
+from ssd_trt.bench.prompts import round_robin
 from ssd_trt.runtime import RuntimeOptions
-
-
-def round_robin(count: int) -> list[str]:
-    by_category: dict[str, list[str]] = {}
-    for p in load_prompts():
-        by_category.setdefault(p.category, []).append(p.prompt)
-    chosen: list[str] = []
-    while len(chosen) < count and any(by_category.values()):
-        for texts in by_category.values():
-            if texts and len(chosen) < count:
-                chosen.append(texts.pop(0))
-    return chosen
 
 
 def main() -> None:

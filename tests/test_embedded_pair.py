@@ -14,22 +14,10 @@ import numpy as np
 import pytest
 
 import ssd_trt
-from ssd_trt.bench.prompts import load_prompts
+from ssd_trt.bench.prompts import round_robin
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, NEW_TOKENS = 50, 16
-
-
-def round_robin(count: int) -> list[str]:
-    by_category: dict[str, list[str]] = {}
-    for p in load_prompts():
-        by_category.setdefault(p.category, []).append(p.prompt)
-    chosen: list[str] = []
-    while len(chosen) < count:
-        for texts in by_category.values():
-            if texts and len(chosen) < count:
-                chosen.append(texts.pop(0))
-    return chosen
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_PROMPTS", "CATEGORIES", "Prompt", "load_prompts"]
+__all__ = ["DEFAULT_PROMPTS", "CATEGORIES", "Prompt", "load_prompts", "round_robin"]
 
 DEFAULT_PROMPTS: Path = Path(__file__).parent / "default.jsonl"
 """The project's default prompt set (about 20 prompts in each of ``CATEGORIES``)."""
@@ -122,3 +122,17 @@ def load_prompts(
     if limit is not None:
         prompts = prompts[:limit]
     return prompts
+
+
+def round_robin(count: int, prompts: Sequence[Prompt] | None = None) -> list[str]:
+    """Up to ``count`` prompt texts taken one category at a time (first of each category, then the
+    second, ...), so any prefix of the result covers every category about equally."""
+    by_category: dict[str, list[str]] = {}
+    for p in load_prompts() if prompts is None else prompts:
+        by_category.setdefault(p.category, []).append(p.prompt)
+    chosen: list[str] = []
+    while len(chosen) < count and any(by_category.values()):
+        for texts in by_category.values():
+            if texts and len(chosen) < count:
+                chosen.append(texts.pop(0))
+    return chosen
