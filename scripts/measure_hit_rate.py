@@ -3,8 +3,9 @@
     python scripts/measure_hit_rate.py build/smollm2-135m --prompts 10 --tokens 64 --k 2,4 --budget 8,16,32
 
 Greedy SSD on round-robin prompts of every category (chat template), one request at a time; prints
-and writes (``--out``) the pooled hit rate (hits / rounds), mean accepted tokens per round and the
-measured miss-power exponent r. Every output is also checked token-identical to AR.
+and writes (``--out``) the pooled hit rate (hits / rounds) and mean accepted tokens per round, with
+the placement of the benchmark's paper-style setting (target on core 0, draft on core 1). Every
+output is also checked token-identical to AR.
 """
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tqdm import tqdm
-
-import ssd_trt
-from ssd_trt.bench.prompts import round_robin
-from ssd_trt.runtime import RuntimeOptions
+import ssd_trt  # noqa: E402
+from ssd_trt.bench.prompts import round_robin  # noqa: E402
+from ssd_trt.bench.runner import run_engine  # noqa: E402
+from ssd_trt.bench.settings import PAPER_STYLE  # noqa: E402
 
 
 def main() -> None:
@@ -34,22 +34,19 @@ def main() -> None:
     a = ap.parse_args()
     prompts = round_robin(a.prompts)
     params = ssd_trt.SamplingParams(max_new_tokens=a.tokens)
-    base = ssd_trt.load(a.build_dir)
-    encoded = [base.encode(p, chat=True) for p in prompts]
-    reference = [base.generate_ids([ids], params, mode="ar")[0].token_ids for ids in tqdm(encoded, desc="ar")]
+    encoded = [ssd_trt.load(a.build_dir).encode(p.prompt, chat=True) for p in prompts]
+    reference = run_engine(a.build_dir, PAPER_STYLE, "ar", prompts, encoded, params)
     rows = []
     for k in (int(x) for x in a.k.split(",")):
         for budget in (int(x) for x in a.budget.split(",")):
-            gen = ssd_trt.load(a.build_dir, RuntimeOptions(draft_len=k, ssd={"fan_out_budget": budget}))
-            hits = rounds = accepted = 0.0
-            exact, started = 0, time.perf_counter()
-            for ids, ref in zip(tqdm(encoded, desc=f"ssd K={k} B={budget}"), reference):
-                [r] = gen.generate_ids([ids], params, mode="ssd")
-                exact += r.token_ids == ref
-                n = r.stats["rounds"]
-                rounds += n
-                hits += (r.stats["cache_hit_rate"] or 0.0) * n
-                accepted += (r.stats["mean_accepted"] or 0.0) * n
+            started = time.perf_counter()
+            runs = run_engine(a.build_dir, PAPER_STYLE, "ssd", prompts, encoded, params, draft_len=k,
+                              ssd={"fan_out_budget": budget}, label=f"ssd K={k} B={budget}")
+            # pooled over rounds (hits / rounds), not a mean of per-prompt rates
+            rounds = sum(r.stats["rounds"] for r in runs)
+            hits = sum((r.stats["cache_hit_rate"] or 0.0) * r.stats["rounds"] for r in runs)
+            accepted = sum((r.stats["mean_accepted"] or 0.0) * r.stats["rounds"] for r in runs)
+            exact = sum(r.tokens == ref.tokens for r, ref in zip(runs, reference))
             rows.append({"k": k, "budget": budget, "cache_hit_rate": hits / rounds, "mean_accepted": accepted / rounds,
                          "rounds": int(rounds), "exact": f"{exact}/{len(prompts)}",
                          "seconds": round(time.perf_counter() - started, 1)})

@@ -26,7 +26,7 @@ def runs(smollm2_build):
     params = ssd_trt.SamplingParams(max_new_tokens=NEW_TOKENS)
     out = {mode: [] for mode in ("ar", "sd", "ssd")}
     for prompt in round_robin(NUM_PROMPTS):
-        ids = gen.encode(prompt, chat=True)
+        ids = gen.encode(prompt.prompt, chat=True)
         for mode in out:
             [result] = gen.generate_ids([ids], params, mode=mode)
             out[mode].append(result)

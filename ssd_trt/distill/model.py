@@ -270,9 +270,8 @@ def copy_draft_weights(src: DraftModel, dst: DraftModel) -> int:
     others keep their fresh init). Returns the number of head rows carried over."""
     if src.config != dst.config:
         raise ValueError(f"--init-draft architecture {src.config} differs from the requested {dst.config}")
+    dst.model.load_state_dict(src.model.state_dict())
     with torch.no_grad():
-        for name, p in dst.model.state_dict().items():
-            p.copy_(src.model.state_dict()[name])
         V = dst.config.vocab_size
         src_ids = torch.arange(V) if src.lm_head_token_ids is None else src.lm_head_token_ids
         dst_ids = torch.arange(V) if dst.lm_head_token_ids is None else dst.lm_head_token_ids

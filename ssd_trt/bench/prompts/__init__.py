@@ -124,15 +124,15 @@ def load_prompts(
     return prompts
 
 
-def round_robin(count: int, prompts: Sequence[Prompt] | None = None) -> list[str]:
-    """Up to ``count`` prompt texts taken one category at a time (first of each category, then the
+def round_robin(count: int, prompts: Sequence[Prompt] | None = None) -> list[Prompt]:
+    """Up to ``count`` prompts taken one category at a time (first of each category, then the
     second, ...), so any prefix of the result covers every category about equally."""
-    by_category: dict[str, list[str]] = {}
+    by_category: dict[str, list[Prompt]] = {}
     for p in load_prompts() if prompts is None else prompts:
-        by_category.setdefault(p.category, []).append(p.prompt)
-    chosen: list[str] = []
+        by_category.setdefault(p.category, []).append(p)
+    chosen: list[Prompt] = []
     while len(chosen) < count and any(by_category.values()):
-        for texts in by_category.values():
-            if texts and len(chosen) < count:
-                chosen.append(texts.pop(0))
+        for queue in by_category.values():
+            if queue and len(chosen) < count:
+                chosen.append(queue.pop(0))
     return chosen
