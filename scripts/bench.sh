@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m ssd_trt.build recipes/smollm2-135m.yaml --if-stale   # rebuilds when the recipe or a model changed
 exec $PY -m ssd_trt.bench build/smollm2-135m --chat --limit-per-category ${PER_CATEGORY:-2} \
-  --max-new-tokens 128 --sd-k 2,3,4 --ssd-k 2,3,4 --ssd-budget 6,10 --sweep-prompts 3 --sweep-once \
+  --max-new-tokens 128 --sd-k 2,3,4 --ssd-k 1,2,3 --ssd-budget 8,16,24,32 --sweep-prompts 3 --sweep-once \
   --out ${OUT:-runs/bench} "$@"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ssd_trt.errors import RecipeError
 
@@ -46,15 +46,46 @@ class EngineSpecRecipe(BaseModel):
     threads_per_engine: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads")
 
 
+def ssd_tree_tokens(draft_len: int, fan_out_budget: int) -> int:
+    """Tokens in the SSD draft's largest tree step: K+1 glue tokens and K tokens for each of B branches."""
+    return draft_len + 1 + draft_len * fan_out_budget
+
+
+class DecodingDefaults(BaseModel):
+    """What a request gets unless it sets its own; tuned per model pair (README: "Tuning the defaults")."""
+    model_config = ConfigDict(extra="forbid")
+    sd_draft_len: int = Field(4, ge=1, le=32, description="K of --mode sd")
+    ssd_draft_len: int = Field(4, ge=1, le=32, description="K of --mode ssd")
+    ssd_fan_out_budget: int = Field(8, ge=2, le=1024, description="B, bonus guesses cached per round")
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     target: ModelSpec
     draft: ModelSpec
     engine: EngineSpecRecipe = EngineSpecRecipe()
+    decoding: DecodingDefaults = DecodingDefaults()
     output_dir: str | None = None
     validate_shapes: list[tuple[int, int]] = Field(
         default=[(1, 1), (1, 7), (2, 5)], description="(batch, new tokens) shapes checked with Polygraphy")
+
+    @model_validator(mode="after")
+    def _defaults_fit_the_engine(self) -> "Recipe":
+        d, e = self.decoding, self.engine
+        for name in ("sd_draft_len", "ssd_draft_len"):
+            if getattr(d, name) > e.max_draft_len:
+                raise ValueError(f"decoding.{name} ({getattr(d, name)}) exceeds engine.max_draft_len "
+                                 f"({e.max_draft_len}); lower it or raise the limit")
+        if d.ssd_fan_out_budget < d.ssd_draft_len + 1:
+            raise ValueError(f"decoding.ssd_fan_out_budget ({d.ssd_fan_out_budget}) must be at least "
+                             f"decoding.ssd_draft_len + 1 ({d.ssd_draft_len + 1}): one guess per acceptance length")
+        tree = ssd_tree_tokens(d.ssd_draft_len, d.ssd_fan_out_budget)
+        if tree > e.max_tree_size:
+            raise ValueError(f"an SSD tree step with decoding.ssd_draft_len {d.ssd_draft_len} and "
+                             f"decoding.ssd_fan_out_budget {d.ssd_fan_out_budget} feeds {tree} tokens, more than "
+                             f"engine.max_tree_size ({e.max_tree_size}); lower the budget or raise the limit")
+        return self
 
     def resolved_output_dir(self, root: Path) -> Path:
         return Path(self.output_dir) if self.output_dir else root / "build" / self.name
@@ -69,6 +100,9 @@ def _describe(error: ValidationError, path: Path) -> str:
             message = "is required but missing"
         elif item["type"] == "extra_forbidden":
             message = "is not a known field (check the spelling; see README 'Writing a recipe')"
+        if not item["loc"] and item["type"] == "value_error":   # a cross-field check: its message names the fields
+            lines.append(f"  - {message.removeprefix('Value error, ')}")
+            continue
         lines.append(f"  - field '{where}': {message}")
     return f"recipe {path} is invalid:\n" + "\n".join(lines)
 

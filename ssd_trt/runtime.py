@@ -16,6 +16,7 @@ from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.engines.base import EngineSpec
 from ssd_trt.errors import ArtifactError, Cancelled, EngineError, RequestError, SsdTrtError
 from ssd_trt.manifest import read_manifest, verify_artifacts
+from ssd_trt.recipe import DecodingDefaults, ssd_tree_tokens
 
 MODES = ("ar", "sd", "ssd")
 
@@ -56,12 +57,16 @@ class RuntimeOptions:
                   or bool(set(self.target_cores) & set(self.draft_cores)))
         return not (shared and max(self.target_threads, self.draft_threads) > 1)
 
-    def saguaro_config(self):
+    def saguaro_config(self, defaults: DecodingDefaults | None = None):
+        """The SSD settings of a request: these options over the build's decoding defaults."""
         from ssd_trt.decoding.saguaro import SaguaroConfig
-        draft_len = self.draft_len or 4    # the budget must cover K+1 guesses: grow the default with K
+        defaults = defaults or DecodingDefaults()
+        draft_len = self.draft_len or defaults.ssd_draft_len
+        # the budget must cover K+1 guesses: grow the default with a K the caller chose
+        budget = max(defaults.ssd_fan_out_budget, draft_len + 1)
         try:
             return SaguaroConfig(**{"draft_len": draft_len, "draft_cores": self.draft_cores,
-                                    "fan_out_budget": max(SaguaroConfig.fan_out_budget, draft_len + 1), **self.ssd})
+                                    "fan_out_budget": budget, **self.ssd})
         except TypeError:
             known = ", ".join(f.name for f in fields(SaguaroConfig))
             raise RequestError(f"unknown SSD option in {sorted(self.ssd)}; known: {known}") from None
@@ -82,6 +87,11 @@ class Generator:
         if verify_checksums:
             verify_artifacts(self.root, self.manifest, roles=("target", "draft"))
         self.limits = self.manifest["recipe"]["engine"]
+        # builds from before decoding defaults existed get the generic ones
+        try:
+            self.defaults = DecodingDefaults(**self.manifest["recipe"].get("decoding", {}))
+        except (TypeError, ValueError) as exc:   # pydantic's ValidationError is a ValueError
+            raise ArtifactError(f"manifest in {self.root} has invalid decoding defaults ({exc}); rebuild") from None
         threads = int(self.limits.get("threads_per_engine", 1))
         self.options = options or RuntimeOptions(target_threads=threads, draft_threads=threads)
         from transformers import AutoTokenizer
@@ -209,9 +219,17 @@ class Generator:
                 raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}){extra} "
                                    f"exceeds the engine's max context {self.limits['max_context']}; lower "
                                    f"max_new_tokens or shorten the prompt")
-        if mode != "ar" and (self.options.draft_len or 4) > self.limits["max_draft_len"]:
-            raise RequestError(f"draft_len {self.options.draft_len} exceeds the engine's max_draft_len "
+        if mode != "ar" and self.draft_len(mode) > self.limits["max_draft_len"]:
+            raise RequestError(f"draft_len {self.draft_len(mode)} exceeds the engine's max_draft_len "
                                f"{self.limits['max_draft_len']}; lower it or rebuild")
+        if mode == "ssd":
+            config = self.saguaro_config()
+            tree = ssd_tree_tokens(config.draft_len, config.fan_out_budget)
+            if tree > self.limits["max_tree_size"]:
+                raise RequestError(f"an SSD tree step with K={config.draft_len} and fan-out budget "
+                                   f"{config.fan_out_budget} feeds {tree} tokens, more than the engine's "
+                                   f"max_tree_size {self.limits['max_tree_size']}; lower the budget or K, or "
+                                   f"raise engine.max_tree_size and rebuild")
         prompt_ids = [[int(t) for t in ids] for ids in prompt_ids]
         rng = np.random.default_rng(params.seed)
         callback_failures: list[BaseException] = []
@@ -253,7 +271,7 @@ class Generator:
         draft's tree region (glue K+1 plus K steps of every branch)."""
         if mode == "ar":
             return 0
-        draft_len = self.options.draft_len or 4
+        draft_len = self.draft_len(mode)
         if mode == "sd":
             widths = self.options.tree_widths
             nodes, level = 1, 1
@@ -261,7 +279,16 @@ class Generator:
                 level *= width
                 nodes += level
             return nodes if widths else draft_len + 1
-        return draft_len + 1 + draft_len * self.options.saguaro_config().fan_out_budget
+        return ssd_tree_tokens(draft_len, self.saguaro_config().fan_out_budget)
+
+    def draft_len(self, mode: str) -> int:
+        """K of a request: the caller's, else the build's default for ``mode``."""
+        if self.options.draft_len:
+            return self.options.draft_len
+        return self.defaults.ssd_draft_len if mode == "ssd" else self.defaults.sd_draft_len
+
+    def saguaro_config(self):
+        return self.options.saguaro_config(self.defaults)
 
     def free_slots(self) -> None:
         """Give back every engine's KV slots (lengths -> 0); buffers stay allocated for the next request."""
@@ -286,10 +313,10 @@ class Generator:
         if mode == "sd":
             from ssd_trt.decoding.speculative import generate_speculative
             return generate_speculative(target, self.engine("draft"), prompt_ids, seqs, rng,
-                                        draft_len=self.options.draft_len or 4,
+                                        draft_len=self.draft_len("sd"),
                                         tree_widths=list(self.options.tree_widths or []) or None)
         from ssd_trt.decoding.saguaro import generate_saguaro
-        return generate_saguaro(target, self.engine("draft"), prompt_ids, seqs, rng, self.options.saguaro_config())
+        return generate_saguaro(target, self.engine("draft"), prompt_ids, seqs, rng, self.saguaro_config())
 
 
 def load(artifact_dir: str | Path, options: RuntimeOptions | None = None) -> Generator:

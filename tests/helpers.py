@@ -69,10 +69,13 @@ def save_hf_checkpoint(model: Decoder, directory: Path) -> Path:
     return directory
 
 
-def write_recipe(path: Path, target: Path, draft: Path, name: str = "tiny", **engine) -> Path:
+def write_recipe(path: Path, target: Path, draft: Path, name: str = "tiny", decoding: dict | None = None,
+                 **engine) -> Path:
     recipe = {"name": name, "output_dir": str(path.parent / "build" / name),
               "target": {"source": str(target)}, "draft": {"source": str(draft)},
               "engine": {"backend": "ort", "max_batch": 4, "max_context": 256, "max_draft_len": 8,
-                         "max_tree_size": 32, **engine}}
+                         "max_tree_size": 96, **engine}}
+    if decoding:
+        recipe["decoding"] = decoding
     path.write_text(yaml.safe_dump(recipe))
     return path

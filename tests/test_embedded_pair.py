@@ -41,16 +41,16 @@ def test_greedy_speculative_modes_equal_autoregressive_on_50_prompts(runs, mode)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 4 target not reached: with the shipped draft (greedy agreement "
-                   "0.425 on this prompt set) the measured SSD cache hit rate is 0.27 at the defaults (K=4, "
-                   "fan-out budget 8) and at most 0.55 (K=2, budget 32; scripts/measure_hit_rate.py); needs a "
-                   "stronger draft (issue 3)")
 def test_ssd_cache_hit_rate_is_at_least_070_at_temperature_0(runs):
-    rates = [r.stats["cache_hit_rate"] for r in runs["ssd"] if r.stats["cache_hit_rate"] is not None]
-    accepted = [r.stats["mean_accepted"] for r in runs["ssd"] if r.stats["mean_accepted"] is not None]
-    assert len(rates) >= NUM_PROMPTS - 2
-    assert float(np.mean(rates)) >= 0.7, f"mean cache hit rate {np.mean(rates):.3f}"
-    assert float(np.mean(accepted)) > 0.5
+    """At the build's defaults (K, fan-out budget from the recipe's ``decoding``), pooled over rounds."""
+    stats = [r.stats for r in runs["ssd"] if r.stats["cache_hit_rate"] is not None]
+    assert len(stats) >= NUM_PROMPTS - 2
+    rounds = sum(s["rounds"] for s in stats)
+    hit_rate = sum(s["cache_hit_rate"] * s["rounds"] for s in stats) / rounds
+    acceptance = sum(s["acceptance_rate"] * s["rounds"] for s in stats) / rounds
+    assert hit_rate >= 0.7, f"cache hit rate {hit_rate:.3f} over {rounds} rounds"
+    # and the draft is doing real work: a cache that hits while nothing is accepted would be hollow
+    assert acceptance > 0.3, f"acceptance rate {acceptance:.3f}"
 
 
 @pytest.mark.slow

@@ -46,6 +46,14 @@ CASES = {
     "path does not exist": (lambda d: d["draft"].update(source="/nope/model"), ["/nope/model", "does not exist"]),
     "bad dtype": (lambda d: d["target"].update(dtype="int3"), ["target.dtype"]),
     "non-positive limit": (lambda d: d["engine"].update(max_context=0), ["engine.max_context"]),
+    "default K over the engine's": (lambda d: d.update(decoding={"ssd_draft_len": 9}),
+                                    ["decoding.ssd_draft_len (9) exceeds engine.max_draft_len (8)"]),
+    "default budget below K+1": (lambda d: d.update(decoding={"ssd_draft_len": 4, "ssd_fan_out_budget": 4}),
+                                 ["decoding.ssd_fan_out_budget (4) must be at least decoding.ssd_draft_len + 1 (5)"]),
+    "default SSD tree over the engine's": (
+        lambda d: d.update(decoding={"ssd_draft_len": 4, "ssd_fan_out_budget": 20}),
+        ["feeds 85 tokens, more than engine.max_tree_size (64)", "lower the budget or raise the limit"]),
+    "unknown decoding field": (lambda d: d.update(decoding={"fan_out": 3}), ["decoding.fan_out", "not a known field"]),
 }
 
 

@@ -100,6 +100,10 @@ BAD_REQUESTS = {
     "token id over vocab": (lambda g: g.generate_ids([[1, 999]], OK), "prompt 0 holds token ids outside 0..255"),
     "negative token id": (lambda g: g.generate_ids([[1, 5], [1, -5]], OK), "prompt 1 holds token ids outside"),
     "non-integer token id": (lambda g: g.generate_ids([[1, "a"]], OK), "outside 0..255 (or not integers)"),
+    "ssd tree over engine max": (
+        lambda g: ssd_trt.Generator(g.root, RuntimeOptions(draft_len=4, ssd={"fan_out_budget": 30})).generate(
+            "w5", OK, mode="ssd"),
+        "an SSD tree step with K=4 and fan-out budget 30 feeds 125 tokens, more than the engine's max_tree_size 96"),
     "draft_len over engine max": (
         lambda g: ssd_trt.Generator(g.root, RuntimeOptions(draft_len=9)).generate("w5", OK, mode="sd"),
         "draft_len 9 exceeds the engine's max_draft_len 8"),
@@ -118,6 +122,21 @@ def test_the_largest_draft_len_the_engine_allows_is_accepted(gen):
     options = RuntimeOptions(draft_len=8)           # the default fan-out budget grows to K+1
     assert options.saguaro_config().fan_out_budget == 9
     ssd_trt.Generator(gen.root, options).generate("w5", OK, mode="ssd")
+
+
+def test_a_request_gets_the_builds_decoding_defaults_unless_it_sets_its_own(tiny_pairs):
+    from ssd_trt.build import build
+    from tests.helpers import write_recipe
+    root = tiny_pairs["self"].parents[1]                 # where the tiny pairs' checkpoints live
+    recipe = write_recipe(root / "defaults.yaml", root / "target", root / "target", name="tiny-defaults",
+                          decoding={"sd_draft_len": 3, "ssd_draft_len": 2, "ssd_fan_out_budget": 12})
+    tuned = ssd_trt.load(build(recipe, root=root))
+    assert tuned.generate("w5", OK, mode="sd")[0].stats["draft_len"] == 3
+    assert tuned.generate("w5", OK, mode="ssd")[0].stats["draft_len"] == 2
+    assert tuned.saguaro_config().fan_out_budget == 12
+    own = ssd_trt.Generator(tuned.root, RuntimeOptions(draft_len=5))
+    assert own.generate("w5", OK, mode="ssd")[0].stats["draft_len"] == 5 and own.saguaro_config().fan_out_budget == 12
+    assert ssd_trt.Generator(tuned.root, RuntimeOptions(ssd={"fan_out_budget": 7})).saguaro_config().fan_out_budget == 7
 
 
 def test_valid_utf8_bytes_are_the_same_prompt_as_text(gen):

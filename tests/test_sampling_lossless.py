@@ -142,9 +142,17 @@ def test_saguaro_sampling_with_c_below_one_is_lossless(temperature):
     assert_lossless(run_ssd(saguaro_c=0.3, backup="jit"), temperature)
 
 
+@pytest.mark.parametrize("policy,lookup", [("geometric", 0), ("geometric", 3), ("confidence", 0)])
+def test_every_fork_policy_is_lossless(policy, lookup):
+    # the default (confidence + 3 lookup guesses) runs in every other SSD test here
+    stats = assert_lossless(run_ssd(fork_policy=policy, lookup_forks=lookup, saguaro_c=0.5, backup="jit"), 1.0)
+    assert all(0 < s["cache_hit_rate"] < 1 for s in stats)
+
+
 def test_non_uniform_fan_out_is_lossless():
     # a strongly geometric shape: acceptance prior far from uniform, budget larger than K+1
-    stats = assert_lossless(run_ssd(draft_len=3, fan_out_budget=9, prior_acceptance=0.2, saguaro_c=0.5), 1.0)
+    stats = assert_lossless(run_ssd(draft_len=3, fan_out_budget=9, prior_acceptance=0.2, saguaro_c=0.5,
+                                    fork_policy="geometric"), 1.0)
     shapes = [s["fan_out"]["primary"]["shape"] for s in stats if "primary" in s["fan_out"]]
     assert shapes and all(len(set(shape)) > 1 for shape in shapes)
 

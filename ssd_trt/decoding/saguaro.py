@@ -5,8 +5,10 @@ One round, as the two devices see it (the draft runs on its own core/thread, con
 
   target:  verify [t*_prev, s_1..s_K] ──> outcome (k, t*) ──> look up cache ──> next speculation
   draft :  1. glue decode   one forward over [t*_prev, s_1..s_K]: draft logits at positions j = 0..K
-           2. forking       at each j the top-F_j tokens (minus the draft's own s_{j+1}: a rejected
-                            token has zero residual mass, so it can never be t*) are bonus guesses
+           2. forking       the B most likely outcomes (j, t*) become bonus guesses: the draft's top tokens
+                            at each j (minus its own s_{j+1}: a rejected token has zero residual
+                            mass, so it can never be t*) weighed by the odds of reaching j, plus
+                            prompt-lookup candidates (fan_out.py)
            3. tree decode   K steps over all N = sum_j F_j branches at once; branch (j, t) attends to
                             the prefix, glue tokens 0..j and its own earlier tokens (a tree mask)
            4. cache fill    key (row, k=j, t*=t) -> that branch's K tokens and their draft probabilities
@@ -32,11 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ssd_trt.decoding.backup import ngram_proposal, point_mass
+from ssd_trt.decoding.backup import lookup_followers, ngram_proposal, point_mass
 from ssd_trt.decoding.batch import Sequences, feed_rows, first_tokens
-from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank
+from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks, ranked_forks
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.sampling import processed_probs, sample, saguaro_probs, top_tokens, verify_chain
+from ssd_trt.decoding.sampling import processed_probs, sample, saguaro_probs, softmax, verify_chain
 from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.errors import RequestError
 
@@ -45,6 +47,8 @@ from ssd_trt.errors import RequestError
 class SaguaroConfig:
     draft_len: int = 4                 # K
     fan_out_budget: int = 8            # B = sum_k F_k guesses per sequence and round
+    fork_policy: str = "confidence"    # confidence (this round's odds) | geometric (the paper's shape)
+    lookup_forks: int = 3              # prompt-lookup bonus guesses per position (0: draft guesses only)
     saguaro_c: float = 1.0             # C of sigma_{F,C}; 1 = plain draft sampling
     backup: str = "auto"               # auto | jit | ngram
     critical_batch: int = 4            # b*: batches >= b* use the fast backup on a miss
@@ -60,6 +64,10 @@ class SaguaroConfig:
             raise RequestError(f"fan_out_budget must be >= K+1 = {self.draft_len + 1}, got {self.fan_out_budget}")
         if not 0 < self.saguaro_c <= 1:
             raise RequestError(f"saguaro_c (C) must be in (0, 1], got {self.saguaro_c}")
+        if self.fork_policy not in ("confidence", "geometric"):
+            raise RequestError(f"fork_policy must be confidence or geometric, got {self.fork_policy!r}")
+        if isinstance(self.lookup_forks, bool) or not isinstance(self.lookup_forks, int) or self.lookup_forks < 0:
+            raise RequestError(f"lookup_forks must be a non-negative integer, got {self.lookup_forks!r}")
         if self.backup not in ("auto", "jit", "ngram"):
             raise RequestError(f"backup must be auto, jit or ngram, got {self.backup!r}")
         if self.draft_timeout_s <= 0:
@@ -89,6 +97,7 @@ class DraftWorker:
         self.draft, self.config, self.params = draft, config, params
         self.rng = np.random.default_rng(None if seed is None else seed + 1)
         self.pending: list[list[int]] = []   # committed tokens the draft cache has not seen yet
+        self.history: list[list[int]] = []   # every committed token (prompt lookup reads it)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def start(self, prompts: list[list[int]]) -> None:
@@ -96,11 +105,13 @@ class DraftWorker:
             os.sched_setaffinity(0, set(self.config.draft_cores))
         self.draft.reset(len(prompts))
         self.pending = [list(p) for p in prompts]
+        self.history = [list(p) for p in prompts]
 
     def commit(self, accepted_glue: list[list[int]]) -> None:
         """The verified prefix grew by these tokens (glue tokens 0..k of the last speculation)."""
         for row, tokens in enumerate(accepted_glue):
             self.pending[row] += tokens
+            self.history[row] += tokens
 
     def _flush_pending(self, extra: list[list[int]]) -> np.ndarray:
         """Feed pending + extra tokens; keep pending in the cache; return logits over ``extra``."""
@@ -129,16 +140,7 @@ class DraftWorker:
         base = self.draft.lengths
 
         # 2. forking: top-F_j candidates at each position, minus the draft's own next token
-        forks: list[list[tuple[int, int]]] = []
-        for row in range(batch):
-            row_forks = []
-            for j, fan in enumerate(shapes[row]):
-                logits = glue_logits[row, j].copy()
-                if j < K:
-                    logits[glue[row][j + 1]] = -np.inf
-                for token in top_tokens(logits, fan):
-                    row_forks.append((j, int(token)))
-            forks.append(row_forks)
+        forks = [self._forks(row, glue_logits[row], glue[row], shapes[row]) for row in range(batch)]
         branches = len(forks[0])
 
         # 3. tree decode: K steps over all branches at once (glue + earlier branch tokens re-fed)
@@ -163,6 +165,18 @@ class DraftWorker:
             for n, (j, t) in enumerate(forks[row]):
                 entries[(row, j, t)] = (tokens[row, n, 1:].copy(), None if probs is None else probs[row, n])
         return SpeculationCache(entries, glue_logits, started, time.perf_counter())
+
+    def _forks(self, row: int, glue_logits: np.ndarray, glue: list[int], shape: list[int]) -> list[tuple[int, int]]:
+        """Step 2 for one row: the bonus guesses (j, t) to draft behind (policies in fan_out.py)."""
+        K, config = self.config.draft_len, self.config
+        lookup = [lookup_followers(self.history[row] + glue[:j + 1], limit=config.lookup_forks)
+                  if config.lookup_forks else [] for j in range(K + 1)]
+        if config.fork_policy == "geometric":
+            return ranked_forks(glue_logits, glue[1:], shape, lookup)
+        # the draft's odds for the outcome: plain softmax when greedy (T=0 has no distribution to mimic)
+        probs = (softmax(glue_logits) if self.params.greedy
+                 else processed_probs(glue_logits, self.params))
+        return confident_forks(probs, glue[1:], sum(shape), lookup)
 
     def just_in_time(self, bonus: list[int], shapes: list[list[int]]) -> Speculation:
         """Neural backup: draft K tokens after each row's new bonus token, synchronously."""

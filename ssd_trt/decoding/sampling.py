@@ -15,6 +15,14 @@ import numpy as np
 from ssd_trt.decoding.params import SamplingParams
 
 
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """softmax over the last axis, float64 (-inf logits get probability 0)."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    return probs / probs.sum(axis=-1, keepdims=True)
+
+
 def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """softmax(logits / T) restricted to top-k and the top-p nucleus, renormalised. [..., V] float64."""
     z = np.asarray(logits, dtype=np.float64) / max(params.temperature, 1e-8)
@@ -22,9 +30,7 @@ def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if 0 < params.top_k < vocab:
         kth = np.partition(z, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]
         z = np.where(z >= kth, z, -np.inf)
-    z = z - z.max(axis=-1, keepdims=True)
-    probs = np.exp(z)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    probs = softmax(z)
     if params.top_p < 1.0:
         order = np.argsort(-probs, axis=-1, kind="stable")
         sorted_probs = np.take_along_axis(probs, order, axis=-1)
