@@ -139,7 +139,7 @@ class DraftWorker:
         glue_logits = self._flush_pending(glue)                       # [B, K+1, V]
         base = self.draft.lengths
 
-        # 2. forking: top-F_j candidates at each position, minus the draft's own next token
+        # 2. forking: B bonus guesses (j, t), never the draft's own next token (every row gets as many)
         forks = [self._forks(row, glue_logits[row], glue[row], shapes[row]) for row in range(batch)]
         branches = len(forks[0])
 

@@ -9,7 +9,8 @@
   bound on agreement for a reduced head).
 * top-F recall: fraction of positions whose target argmax is among the draft's F most likely
   tokens. This is what an SSD cache hit needs at temperature 0 (the bonus token t* at the first
-  rejected position must be one of the forked guesses), so it bounds the hit rate for fan-out F-1.
+  rejected position must be one of the forked guesses), so it bounds the draft's share of the hit
+  rate for fan-out F-1 (prompt-lookup guesses come on top).
 * cost: per-token multiply-accumulates of draft vs target, and batch-1 KV-cache decode time.
 """
 from __future__ import annotations
