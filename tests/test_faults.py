@@ -102,6 +102,12 @@ def inject(gen):
         gen._engines[role] = FaultyEngine(real[role], fault, **kwargs)
         return gen._engines[role]
     yield swap
+    # A hung draft call can outlive its request: the runtime retires that (wrapped) engine, but the real
+    # engine inside is handed back below, and the abandoned worker thread would still feed and roll it
+    # back when its sleep ends -- in the middle of a later test. Let such threads finish first.
+    for thread in threading.enumerate():
+        if thread.name.startswith("ssd-draft"):
+            thread.join(timeout=30)
     gen._engines.update(real)
 
 
