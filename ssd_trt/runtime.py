@@ -222,14 +222,12 @@ class Generator:
         if mode != "ar" and self.draft_len(mode) > self.limits["max_draft_len"]:
             raise RequestError(f"draft_len {self.draft_len(mode)} exceeds the engine's max_draft_len "
                                f"{self.limits['max_draft_len']}; lower it or rebuild")
-        if mode == "ssd":
+        if mode == "ssd" and (tree := self.speculation_headroom(mode)) > self.limits["max_tree_size"]:
             config = self.saguaro_config()
-            tree = ssd_tree_tokens(config.draft_len, config.fan_out_budget)
-            if tree > self.limits["max_tree_size"]:
-                raise RequestError(f"an SSD tree step with K={config.draft_len} and fan-out budget "
-                                   f"{config.fan_out_budget} feeds {tree} tokens, more than the engine's "
-                                   f"max_tree_size {self.limits['max_tree_size']}; lower the budget or K, or "
-                                   f"raise engine.max_tree_size and rebuild")
+            raise RequestError(f"an SSD tree step with K={config.draft_len} and fan-out budget "
+                               f"{config.fan_out_budget} feeds {tree} tokens, more than the engine's "
+                               f"max_tree_size {self.limits['max_tree_size']}; lower the budget or K, or "
+                               f"raise engine.max_tree_size and rebuild")
         prompt_ids = [[int(t) for t in ids] for ids in prompt_ids]
         rng = np.random.default_rng(params.seed)
         callback_failures: list[BaseException] = []
@@ -271,21 +269,22 @@ class Generator:
         draft's tree region (glue K+1 plus K steps of every branch)."""
         if mode == "ar":
             return 0
-        draft_len = self.draft_len(mode)
         if mode == "sd":
             widths = self.options.tree_widths
             nodes, level = 1, 1
             for width in widths or ():
                 level *= width
                 nodes += level
-            return nodes if widths else draft_len + 1
-        return ssd_tree_tokens(draft_len, self.saguaro_config().fan_out_budget)
+            return nodes if widths else self.draft_len(mode) + 1
+        config = self.saguaro_config()
+        return ssd_tree_tokens(config.draft_len, config.fan_out_budget)
 
     def draft_len(self, mode: str) -> int:
-        """K of a request: the caller's, else the build's default for ``mode``."""
-        if self.options.draft_len:
-            return self.options.draft_len
-        return self.defaults.ssd_draft_len if mode == "ssd" else self.defaults.sd_draft_len
+        """K of a request: the caller's, else the build's default for ``mode`` (for SSD: the K its
+        SaguaroConfig resolves to, so every check sees the K that will run)."""
+        if mode == "ssd":
+            return self.saguaro_config().draft_len
+        return self.options.draft_len or self.defaults.sd_draft_len
 
     def saguaro_config(self):
         return self.options.saguaro_config(self.defaults)
