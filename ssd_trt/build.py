@@ -129,6 +129,9 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> P
     for role in ROLES:
         step(f"load {role}")
         models[role], hf_configs[role] = load_decoder(sources[role])
+        if role == "draft":   # a malformed copy component fails the build, not the first request
+            from ssd_trt.engines.copy_mixture import CopyMixture
+            CopyMixture.from_config(hf_configs[role], where=f"{sources[role].path}/config.json")
         named = getattr(recipe, role).tokenizer
         if named == "target" and role == "draft":
             tokenizers[role] = tokenizers["target"]      # declared shared; vocab sizes are still checked

@@ -14,6 +14,7 @@ import numpy as np
 from ssd_trt.decoding.batch import Sequences, TokenCallback
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.engines.base import EngineSpec
+from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine
 from ssd_trt.errors import ArtifactError, Cancelled, EngineError, RequestError, SsdTrtError
 from ssd_trt.manifest import read_manifest, verify_artifacts
 from ssd_trt.recipe import DecodingDefaults, ssd_tree_tokens
@@ -32,6 +33,7 @@ class RuntimeOptions:
     tree_widths: tuple[int, ...] | None = None   # sd: verify a draft tree (children per depth)
     spin: bool | None = None                # ORT thread-pool spinning; None: off when the models share cores
     ssd: dict[str, Any] = field(default_factory=dict)   # SaguaroConfig overrides
+    draft_copy: bool = True                 # use the draft's copy component when its config has one
 
     def __post_init__(self) -> None:
         import os
@@ -103,6 +105,8 @@ class Generator:
         if target_cfg["vocab_size"] != draft_cfg["vocab_size"]:
             raise ArtifactError(f"draft vocabulary ({draft_cfg['vocab_size']}) differs from the target's "
                                 f"({target_cfg['vocab_size']}) in {self.root}; rebuild with a matching draft")
+        self.copy_mixture = CopyMixture.from_config(self.manifest["models"]["draft"].get("hf_config") or {},
+                                                    where=f"draft config in {self.root / 'manifest.json'}")
         eos = target_cfg.get("eos_token_id")
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._engines: dict[str, Any] = {}
@@ -131,19 +135,25 @@ class Generator:
         return "trt" if self._tensorrt[0] else "ort"
 
     def engine(self, role: str):
-        if role not in self._engines and self.backend(role) == "trt":
+        if role not in self._engines:
+            engine = self._open_engine(role)
+            if role == "draft" and self.copy_mixture is not None and self.options.draft_copy:
+                engine = CopyMixtureEngine(engine, self.copy_mixture)
+            self._engines[role] = engine
+        return self._engines[role]
+
+    def _open_engine(self, role: str):
+        if self.backend(role) == "trt":
             import torch
             from ssd_trt.trt.engine import TensorRTEngine, place_draft_and_target
             draft_place, target_place = place_draft_and_target(torch.cuda.device_count())
-            self._engines[role] = TensorRTEngine(self.root / role / "engine.plan", self.spec(role), name=role,
-                                                 placement=target_place if role == "target" else draft_place)
-        if role not in self._engines:
-            from ssd_trt.engines.ort import OrtEngine
-            threads = self.options.target_threads if role == "target" else self.options.draft_threads
-            cores = self.options.target_cores if role == "target" else self.options.draft_cores
-            self._engines[role] = OrtEngine(self.root / role / "model.ort.onnx", self.spec(role), threads, cores,
-                                            spin=self.options.spinning)
-        return self._engines[role]
+            return TensorRTEngine(self.root / role / "engine.plan", self.spec(role), name=role,
+                                  placement=target_place if role == "target" else draft_place)
+        from ssd_trt.engines.ort import OrtEngine
+        threads = self.options.target_threads if role == "target" else self.options.draft_threads
+        cores = self.options.target_cores if role == "target" else self.options.draft_cores
+        return OrtEngine(self.root / role / "model.ort.onnx", self.spec(role), threads, cores,
+                         spin=self.options.spinning)
 
     # -- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | bytes, chat: bool = False) -> list[int]:

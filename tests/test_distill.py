@@ -202,3 +202,34 @@ def test_r_reader_decodes_named_character_vector():
     with pytest.raises(ValueError):
         _RReader(zlib.compress(b"junk")).read()
 
+
+
+def _pattern_samples(target_is_follower: bool) -> list[Sample]:
+    """Sequences repeating a 6-token pattern: from the second repeat on, every position has a
+    recurring suffix whose follower is the true next token."""
+    out = []
+    for i in range(6):
+        pattern = torch.randint(3, V, (6,), generator=torch.Generator().manual_seed(i))
+        ids = pattern.repeat(5).to(torch.int32)
+        nxt = torch.cat([ids[1:], ids[:1]]).long()
+        top = nxt if target_is_follower else torch.full_like(nxt, 1)   # token 1 never occurs in ids
+        out.append(Sample(ids, 0, 2, torch.stack([top, top], 1).to(torch.int32),
+                          torch.tensor([[1.0, 0.0]] * len(ids), dtype=torch.float16), "test"))
+    return out
+
+
+def test_copy_fit_trusts_the_follower_only_where_it_is_right(tmp_path):
+    from ssd_trt.distill.copy_fit import fit_copy_mixture, read_copy_mixture, write_copy_mixture
+
+    torch.manual_seed(0)
+    draft = DraftModel(small_cfg()).eval()                       # untrained: its argmax is noise
+    mixture, summary = fit_copy_mixture(draft, _pattern_samples(True), max_ngram=4)
+    assert max(mixture.weights) > 0.5
+    assert summary["greedy_agreement_with_copy"] > summary["greedy_agreement_draft"] + 0.5
+    useless, summary = fit_copy_mixture(draft, _pattern_samples(False), max_ngram=4)
+    assert useless.weights == (0.0, 0.0, 0.0, 0.0)
+    assert summary["greedy_agreement_with_copy"] == summary["greedy_agreement_draft"]
+    save_draft(draft, tmp_path)
+    write_copy_mixture(tmp_path, mixture)
+    assert read_copy_mixture(tmp_path) == mixture
+    assert load_draft(tmp_path).config == draft.config           # the extra key does not disturb the loader

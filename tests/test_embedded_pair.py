@@ -40,6 +40,14 @@ def test_greedy_speculative_modes_equal_autoregressive_on_50_prompts(runs, mode)
     assert len(runs[mode]) == NUM_PROMPTS and not differing, f"{mode} differs from ar on prompts {differing}"
 
 
+def test_the_shipped_draft_drafts_with_its_copy_component(smollm2_build):
+    """Its config.json carries fitted copy weights; the build passes them on and the runtime uses them."""
+    from ssd_trt.engines.copy_mixture import CopyMixtureEngine
+    gen = ssd_trt.load(smollm2_build)
+    assert gen.copy_mixture is not None and max(gen.copy_mixture.weights) > 0
+    assert isinstance(gen.engine("draft"), CopyMixtureEngine)
+
+
 @pytest.mark.slow
 def test_ssd_cache_hit_rate_is_at_least_070_at_temperature_0(runs):
     """At the build's defaults (K, fan-out budget from the recipe's ``decoding``), pooled over rounds."""

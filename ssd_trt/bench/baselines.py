@@ -36,6 +36,8 @@ def load_hf_pair(manifest: dict) -> tuple[object, object | None, str]:
     draft = load("draft").eval()
     note = "draft head expanded to the full vocabulary" if manifest["models"]["draft"]["config"].get(
         "head_vocab_size") else "same draft weights"
+    if (manifest["models"]["draft"].get("hf_config") or {}).get("copy_mixture"):
+        note += "; the network alone, without the draft's copy component (assisted generation takes a plain model)"
     return target, draft, note
 
 

@@ -10,9 +10,11 @@ Pipeline (each stage is cached under --out, so an interrupted run picks up where
      the ``--head-size`` tokens the target favours                      -> OUT/head_ids.pt
   4. train: KL to the target's soft labels, checkpoint every --ckpt-every steps -> OUT/ckpt.pt,
      OUT/best/, OUT/last/ (resume with --resume)
-  5. eval: greedy agreement and sum(min(p, q)) at T=1 against the real target on
+  5. copy: fit the weights of the draft's copy component (prompt-lookup mixture, copy_fit.py) on
+     the held-out teacher sequences          -> "copy_mixture" in OUT/best/config.json (--no-copy: skip)
+  6. eval: greedy agreement and sum(min(p, q)) at T=1 against the real target on
      --eval-prompts, per-token cost                                    -> OUT/metrics.json
-  6. --export DIR copies the best draft (config.json, model.safetensors) and metrics there.
+  7. --export DIR copies the best draft (config.json, model.safetensors) and metrics there.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .copy_fit import fit_copy_mixture, read_copy_mixture, write_copy_mixture
 from .corpora import load_corpora
 from .model import DraftConfig, DraftModel, copy_draft_weights, init_from_target, load_draft
 from .prompts import build_prompts
@@ -75,10 +78,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-max-new", type=int, default=64)
     ap.add_argument("--eval-only", type=Path, default=None, help="evaluate this draft directory and exit")
     ap.add_argument("--export", type=Path, default=None, help="copy the best draft + metrics here")
+    ap.add_argument("--no-copy", action="store_true",
+                    help="do not fit the draft's copy component (prompt-lookup mixture, copy_fit.py)")
+    ap.add_argument("--copy-max-ngram", type=int, default=8, help="longest suffix the copy component matches")
+    ap.add_argument("--fit-copy-only", type=Path, default=None,
+                    help="fit the copy component of this draft directory on the teacher data in OUT, evaluate, exit")
     a = ap.parse_args(argv)
     if a.magpie < 0 or (a.derived is not None and a.derived < 0):
         raise ValueError("--magpie and --derived must be >= 0")
-    for name in ("prompts", "steps", "batch", "threads", "gen_threads", "topk", "max_new"):
+    for name in ("prompts", "steps", "batch", "threads", "gen_threads", "topk", "max_new", "copy_max_ngram"):
         if getattr(a, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     return a
@@ -89,14 +97,47 @@ def run_eval(a: argparse.Namespace, draft_dir: Path, target=None, tok=None) -> d
 
     if target is None:
         target, tok = load_target(a.target)
-    res = evaluate(target, tok, load_draft(draft_dir), a.eval_prompts, a.eval_max_new)
+    res = evaluate(target, tok, load_draft(draft_dir), a.eval_prompts, a.eval_max_new,
+                   mixture=read_copy_mixture(draft_dir))
     res["draft"] = str(draft_dir)
     return res
+
+
+TEACHER_DIRS = ("teacher", "teacher_magpie", "teacher_derived")   # the order main() concatenates them in
+
+
+def fit_copy(a: argparse.Namespace, held, draft_dir: Path) -> dict:
+    mixture, summary = fit_copy_mixture(load_draft(draft_dir), held, a.copy_max_ngram)
+    write_copy_mixture(draft_dir, mixture)
+    print(f"copy component: held-out greedy agreement {summary['greedy_agreement_draft']:.3f} -> "
+          f"{summary['greedy_agreement_with_copy']:.3f}, weights {summary['weights']}")
+    return summary
+
+
+def fit_copy_only(a: argparse.Namespace) -> None:
+    """Fit the copy weights of an existing draft on OUT's held-out teacher sequences, then evaluate."""
+    shards = [p for d in TEACHER_DIRS for p in sorted((a.out / d).glob("shard_*.pt"))]
+    if not shards:
+        raise ValueError(f"no teacher shards under {a.out} ({', '.join(TEACHER_DIRS)}); run the training "
+                         f"phases first (recipes/drafts/*/reproduce.sh)")
+    torch.set_num_threads(a.threads)
+    _, held = split_samples(load_samples(shards))
+    summary = fit_copy(a, held, a.fit_copy_only)
+    res = run_eval(a, a.fit_copy_only) if a.eval_prompts.exists() else {}
+    metrics_path = a.fit_copy_only / "metrics.json"
+    old = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+    old.update({k: res[k] for k in ("metrics", "metrics_neural_only", "copy_mixture", "cost") if k in res},
+               copy_fit=summary)
+    metrics_path.write_text(json.dumps(old, indent=2))
+    print(json.dumps({k: res[k]["all"] for k in ("metrics", "metrics_neural_only") if k in res}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.fit_copy_only is not None:
+        fit_copy_only(a)
+        return
     if a.eval_only is not None:
         torch.set_num_threads(a.threads)
         res = run_eval(a, a.eval_only)
@@ -156,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     tc = TrainConfig(steps=a.steps, batch=a.batch, lr=a.lr, seed=a.seed, ckpt_every=a.ckpt_every, bf16=not a.fp32)
     summary = train(draft, train_s, held, tc, a.out, resume=a.resume)
+    if not a.no_copy:
+        summary["copy_fit"] = fit_copy(a, held, a.out / "best")
     res = run_eval(a, a.out / "best") if a.eval_prompts.exists() else {"note": f"{a.eval_prompts} missing, no eval"}
     res.update(train=summary, teacher={"sequences": len(samples), "train_positions": n_pos, "minutes": t_teacher / 60},
                draft_config=cfg.__dict__, head_size=a.head_size, args={k: str(v) for k, v in vars(a).items()},
@@ -166,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
         a.export.mkdir(parents=True, exist_ok=True)
         for f in ("config.json", "model.safetensors"):
             shutil.copy(a.out / "best" / f, a.export / f)
-        (a.export / "metrics.json").write_text(json.dumps({k: res[k] for k in ("metrics", "cost", "train") if k in res}, indent=2))
+        (a.export / "metrics.json").write_text(json.dumps(
+            {k: res[k] for k in ("metrics", "metrics_neural_only", "copy_mixture", "cost", "train") if k in res}, indent=2))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@
   tokens. This is what an SSD cache hit needs at temperature 0 (the bonus token t* at the first
   rejected position must be one of the forked guesses), so it bounds the draft's share of the hit
   rate for fan-out F-1 (prompt-lookup guesses come on top).
+* with a copy component (``copy_mixture`` in the draft's config.json, engines/copy_mixture.py) every
+  metric is of q', the distribution the engine actually drafts from; ``metrics_neural_only`` reports the
+  neural draft alone.
 * cost: per-token multiply-accumulates of draft vs target, and batch-1 KV-cache decode time.
 """
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from ssd_trt.engines.copy_mixture import CopyMixture
 
 from .model import DraftModel
 from .prompts import Prompt
@@ -63,7 +68,8 @@ RECALL_AT = (1, 2, 4, 8, 16)
 
 
 @torch.inference_mode()
-def agreement(target, draft: DraftModel, seqs: list[tuple[list[int], int]], cats: list[str]) -> dict:
+def agreement(target, draft: DraftModel, seqs: list[tuple[list[int], int]], cats: list[str],
+              mixture: CopyMixture | None = None) -> dict:
     """Teacher-forced greedy agreement, sum(min(p, q)) at T=1 and head coverage, overall and per category."""
     stats: dict[str, list[float]] = defaultdict(lambda: [0.0] * (4 + len(RECALL_AT)))
     head = draft.lm_head_token_ids
@@ -73,7 +79,10 @@ def agreement(target, draft: DraftModel, seqs: list[tuple[list[int], int]], cats
         x = torch.tensor(ids)[None]
         sl = slice(n_prompt - 1, len(ids) - 1)  # position t predicts token t+1
         p = torch.softmax(target(input_ids=x).logits[0, sl].float(), -1)
-        q = torch.softmax(draft(x)[0, sl].float(), -1)
+        draft_logits = draft(x)[0, sl].float()
+        if mixture is not None:
+            draft_logits = torch.from_numpy(mixture.apply_teacher_forced(draft_logits.numpy(), ids, n_prompt - 1))
+        q = torch.softmax(draft_logits, -1)
         tp = p.argmax(-1)
         agree = (q.argmax(-1) == tp).float()
         accept = torch.minimum(p, q).sum(-1)
@@ -127,12 +136,17 @@ def cost_report(target, draft: DraftModel) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def evaluate(target, tok, draft: DraftModel, prompt_file: Path, max_new: int = 64, with_cost: bool = True) -> dict:
+def evaluate(target, tok, draft: DraftModel, prompt_file: Path, max_new: int = 64, with_cost: bool = True,
+             mixture: CopyMixture | None = None) -> dict:
     items = load_prompt_file(prompt_file)
     t = time.time()
     seqs = target_continuations(target, tok, [p for _, p in items], max_new)
+    cats = [c for c, _ in items]
     res = {"prompt_file": str(prompt_file), "n_prompts": len(items), "max_new_tokens": max_new,
-           "metrics": agreement(target, draft.eval(), seqs, [c for c, _ in items])}
+           "metrics": agreement(target, draft.eval(), seqs, cats, mixture)}
+    if mixture is not None:
+        res["copy_mixture"] = mixture.as_config()
+        res["metrics_neural_only"] = agreement(target, draft, seqs, cats)
     if with_cost:
         res["cost"] = cost_report(target, draft)
     res["eval_seconds"] = time.time() - t

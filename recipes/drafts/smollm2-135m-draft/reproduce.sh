@@ -17,6 +17,9 @@ rm -rf runs/distill/phase2 && cp -r "$OUT/best" runs/distill/phase2
 # phase 3: 1536 prompts the target writes itself (+512 derived from its answers), warm start, 1000 steps
 $PY -m ssd_trt.distill "${COMMON[@]}" --prompts 2816 --magpie 1536 --init-draft runs/distill/phase2 --steps 1000
 rm -rf runs/distill/phase3 && cp -r "$OUT/best" runs/distill/phase3
-# phase 4: 3072 self-written prompts (+1024 derived), warm start, 1200 steps at lr 8e-4, export
+# phase 4: 3072 self-written prompts (+1024 derived), warm start, 1200 steps at lr 8e-4, then the copy
+# component's weights fitted on the held-out sequences (~20 s; every phase does this step), export
 $PY -m ssd_trt.distill "${COMMON[@]}" --prompts 2816 --magpie 3072 --init-draft runs/distill/phase3 --steps 1200 \
     --lr 8e-4 --export "${EXPORT:-recipes/drafts/smollm2-135m-draft}"
+# (the shipped draft's copy weights were fitted after phase 4 by the equivalent standalone step:
+#  $PY -m ssd_trt.distill "${COMMON[@]}" --fit-copy-only recipes/drafts/smollm2-135m-draft)
