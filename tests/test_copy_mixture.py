@@ -146,3 +146,23 @@ def test_a_malformed_copy_component_fails_the_build(tmp_path):
                             text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "copy_mixture must look like" in result.stderr and "config.json" in result.stderr
+
+
+@pytest.mark.parametrize("fault", ["crash", "short", "nan"])
+def test_a_failing_draft_under_the_copy_component_still_finishes_exactly(tiny_pairs, fault):
+    """The wrapper passes the failure on (it never hides or garbles it): SSD finishes target-only."""
+    import ssd_trt
+    from ssd_trt.decoding.params import SamplingParams
+    from ssd_trt.runtime import RuntimeOptions
+    from tests.test_faults import FaultyEngine
+
+    gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=2))
+    gen.copy_mixture = STRONG
+    prompts, params = [[5, 9, 5, 9, 5], [1, 2, 3, 1, 2, 3, 1]], SamplingParams(max_new_tokens=24, temperature=0.0)
+    want = [r.token_ids for r in gen.generate_ids(prompts, params, mode="ar")]
+    wrapped = gen.engine("draft")
+    wrapped.inner = FaultyEngine(wrapped.inner, fault, at=3)
+    results = gen.generate_ids(prompts, params, mode="ssd")
+    assert [r.token_ids for r in results] == want
+    if fault != "nan":   # NaN logits are not an error the runtime detects: they only draft tokens that get rejected
+        assert results[0].stats["draft_failures"], "the injected fault went unreported"

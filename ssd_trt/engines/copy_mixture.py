@@ -70,6 +70,8 @@ class CopyMixture:
         if weight <= 0.0:
             return logits
         top = float(np.max(logits))
+        if not np.isfinite(top):          # a broken row (NaN / +inf) stays as the engine returned it
+            return logits
         log_z = top + float(np.log(np.sum(np.exp(logits - top))))
         logits[follower] = np.logaddexp(logits[follower], np.log(weight / (1.0 - weight)) + log_z)
         return logits
@@ -107,6 +109,8 @@ class CopyMixtureEngine:
                 tree_mask: np.ndarray | None = None) -> np.ndarray:
         start = self.inner.lengths
         logits = self.inner.forward(input_ids, position_ids, tree_mask)
+        if logits.shape[:2] != input_ids.shape:   # malformed: left for the strategy's checks to report
+            return logits
         if not logits.flags.writeable:
             logits = logits.copy()
         steps = input_ids.shape[1]
