@@ -131,4 +131,6 @@ class CopyMixtureEngine:
         self._slots[row, start:start + len(offsets)] = self._slots[row, [start + o for o in offsets]]
 
     def __getattr__(self, name: str):     # close(), backend-specific extras
+        if name == "inner":               # not set yet (e.g. mid-copy): no recursion through __getattr__
+            raise AttributeError(name)
         return getattr(self.inner, name)
