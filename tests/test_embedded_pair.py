@@ -58,7 +58,7 @@ def test_ssd_cache_hit_rate_is_at_least_070_at_temperature_0(runs):
     acceptance = sum(s["acceptance_rate"] * s["rounds"] for s in stats) / rounds
     assert hit_rate >= 0.7, f"cache hit rate {hit_rate:.3f} over {rounds} rounds"
     # and the draft is doing real work: a cache that hits while nothing is accepted would be hollow
-    assert acceptance > 0.2, f"acceptance rate {acceptance:.3f}"   # 0.29 over the whole set at K=2
+    assert acceptance > 0.2, f"acceptance rate {acceptance:.3f}"   # 0.38 over the whole set at K=2 (0.76 / 2)
 
 
 @pytest.mark.slow

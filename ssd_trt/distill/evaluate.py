@@ -69,9 +69,11 @@ RECALL_AT = (1, 2, 4, 8, 16)
 
 @torch.inference_mode()
 def agreement(target, draft: DraftModel, seqs: list[tuple[list[int], int]], cats: list[str],
-              mixture: CopyMixture | None = None) -> dict:
-    """Teacher-forced greedy agreement, sum(min(p, q)) at T=1 and head coverage, overall and per category."""
-    stats: dict[str, list[float]] = defaultdict(lambda: [0.0] * (4 + len(RECALL_AT)))
+              variants: dict[str, CopyMixture | None]) -> dict[str, dict]:
+    """Teacher-forced greedy agreement, sum(min(p, q)) at T=1 and head coverage, overall and per category,
+    for each named variant of the draft (its network with the given copy component, or alone: None).
+    The target and the network run once per sequence, whatever the number of variants."""
+    stats = {name: defaultdict(lambda: [0.0] * (4 + len(RECALL_AT))) for name in variants}
     head = draft.lm_head_token_ids
     for (ids, n_prompt), cat in zip(seqs, cats):
         if len(ids) <= n_prompt:
@@ -79,24 +81,26 @@ def agreement(target, draft: DraftModel, seqs: list[tuple[list[int], int]], cats
         x = torch.tensor(ids)[None]
         sl = slice(n_prompt - 1, len(ids) - 1)  # position t predicts token t+1
         p = torch.softmax(target(input_ids=x).logits[0, sl].float(), -1)
-        draft_logits = draft(x)[0, sl].float()
-        if mixture is not None:
-            draft_logits = torch.from_numpy(mixture.apply_teacher_forced(draft_logits.numpy(), ids, n_prompt - 1))
-        q = torch.softmax(draft_logits, -1)
         tp = p.argmax(-1)
-        agree = (q.argmax(-1) == tp).float()
-        accept = torch.minimum(p, q).sum(-1)
-        cover = torch.isin(tp, head).float() if head is not None else torch.ones_like(agree)
-        rank = (q > q.gather(-1, tp[:, None])).sum(-1)  # 0 = the draft's argmax is the target's
-        for key in (cat, "all"):
-            s = stats[key]
-            s[0] += float(agree.sum()); s[1] += float(accept.sum()); s[2] += float(cover.sum()); s[3] += len(agree)
-            for i, f in enumerate(RECALL_AT):
-                s[4 + i] += float((rank < f).sum())
-    return {k: {"greedy_agreement": v[0] / v[3], "expected_acceptance_T1": v[1] / v[3],
-                "head_coverage": v[2] / v[3], "positions": int(v[3]),
-                "top_f_recall": {str(f): v[4 + i] / v[3] for i, f in enumerate(RECALL_AT)}}
-            for k, v in stats.items()}
+        cover = torch.isin(tp, head).float() if head is not None else torch.ones(len(tp))
+        network_logits = draft(x)[0, sl].float()
+        for name, mixture in variants.items():
+            draft_logits = network_logits if mixture is None else torch.from_numpy(
+                mixture.apply_teacher_forced(network_logits.numpy().copy(), ids, n_prompt - 1))
+            q = torch.softmax(draft_logits, -1)
+            agree = (q.argmax(-1) == tp).float()
+            accept = torch.minimum(p, q).sum(-1)
+            rank = (q > q.gather(-1, tp[:, None])).sum(-1)  # 0 = the draft's argmax is the target's
+            for key in (cat, "all"):
+                s = stats[name][key]
+                s[0] += float(agree.sum()); s[1] += float(accept.sum()); s[2] += float(cover.sum()); s[3] += len(agree)
+                for i, f in enumerate(RECALL_AT):
+                    s[4 + i] += float((rank < f).sum())
+    return {name: {k: {"greedy_agreement": v[0] / v[3], "expected_acceptance_T1": v[1] / v[3],
+                       "head_coverage": v[2] / v[3], "positions": int(v[3]),
+                       "top_f_recall": {str(f): v[4 + i] / v[3] for i, f in enumerate(RECALL_AT)}}
+                   for k, v in by_category.items()}
+            for name, by_category in stats.items()}
 
 
 @torch.inference_mode()
@@ -142,11 +146,13 @@ def evaluate(target, tok, draft: DraftModel, prompt_file: Path, max_new: int = 6
     t = time.time()
     seqs = target_continuations(target, tok, [p for _, p in items], max_new)
     cats = [c for c, _ in items]
+    variants: dict[str, CopyMixture | None] = {"metrics": mixture}
+    if mixture is not None:
+        variants["metrics_neural_only"] = None
     res = {"prompt_file": str(prompt_file), "n_prompts": len(items), "max_new_tokens": max_new,
-           "metrics": agreement(target, draft.eval(), seqs, cats, mixture)}
+           **agreement(target, draft.eval(), seqs, cats, variants)}
     if mixture is not None:
         res["copy_mixture"] = mixture.as_config()
-        res["metrics_neural_only"] = agreement(target, draft, seqs, cats)
     if with_cost:
         res["cost"] = cost_report(target, draft)
     res["eval_seconds"] = time.time() - t
