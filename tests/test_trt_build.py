@@ -247,22 +247,27 @@ def test_runtime_without_tensorrt_fails_with_the_reason(tmp_path):
 
 # ---- CUDA-graph buckets ---------------------------------------------------------------------------------------
 
-def test_buckets_are_planned_for_exact_token_profiles():
-    profiles = derive_profiles(ProfileLimits(max_batch=6, max_context=256, max_draft_len=5, max_tree_size=24))
+def test_buckets_are_planned_for_exact_token_profiles_and_the_tree_range_not_prefill():
+    profiles = derive_profiles(ProfileLimits(max_batch=6, max_context=1024, max_draft_len=5, max_tree_size=24))
     buckets = plan_buckets(profiles)
     assert batch_sizes(6) == (1, 2, 4, 6) and batch_sizes(1) == (1,)
-    assert {(b.batch, b.tokens) for b in buckets} == {(b, t) for b in (1, 2, 4, 6) for t in (1, 6)}
-    assert all(profiles[b.profile].tokens == (b.tokens,) * 3 for b in buckets)
+    assert {(b.batch, b.tokens) for b in buckets} == {(b, t) for b in (1, 2, 4, 6) for t in (1, 6, 2, 4, 8, 16, 24)}
+    names = {profiles[b.profile].name for b in buckets}
+    assert names == {"decode", "verify", "tree"}  # prefill (T up to 1024) runs eagerly
+    assert all(profiles[b.profile].accepts(b.batch, b.tokens) for b in buckets)
 
 
 def test_bucket_selection_pads_as_little_as_possible():
-    buckets = plan_buckets(derive_profiles(LIMITS))
+    buckets = plan_buckets(derive_profiles(ProfileLimits(max_batch=4, max_context=1024, max_draft_len=5,
+                                                         max_tree_size=24)))
     assert select_bucket(buckets, 1, 1, room=100) == GraphBucket(1, 1, 0)
     assert select_bucket(buckets, 3, 1, room=100) == GraphBucket(4, 1, 0)  # batch padded to 4
     assert select_bucket(buckets, 2, 6, room=100) == GraphBucket(2, 6, 1)
-    assert select_bucket(buckets, 2, 4, room=100) == GraphBucket(2, 6, 1)  # 4 tokens padded to the verify bucket
-    assert select_bucket(buckets, 2, 4, room=5) is None  # padding would overflow the cache: run eagerly
-    assert select_bucket(buckets, 1, 24, room=100) is None  # the tree profile has a T range: eager
+    assert select_bucket(buckets, 2, 5, room=100) == GraphBucket(2, 6, 1)  # 5 tokens padded to the verify bucket
+    assert select_bucket(buckets, 2, 5, room=5) is None  # padding would overflow the cache: run eagerly
+    assert select_bucket(buckets, 2, 3, room=100) == GraphBucket(2, 4, 2)  # a tree step padded to 4
+    assert select_bucket(buckets, 1, 24, room=100) == GraphBucket(1, 24, 2)
+    assert select_bucket(buckets, 1, 25, room=100) is None  # prefill-sized: eager
     with pytest.raises(ValueError, match="room for 3"):
         select_bucket(buckets, 1, 4, room=3)
 

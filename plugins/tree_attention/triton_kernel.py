@@ -39,8 +39,10 @@ input order), then the extra int32 scalars, then output pointers. Tensors are co
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,9 @@ import triton.language as tl
 from plugins.tree_attention.reference import MASK_WORD_BITS
 
 LOG2E = 1.4426950408889634
+# The Triton interpreter patches triton.language's module globals while a kernel runs, so two threads
+# interpreting at once break each other (SSD runs the draft in a worker thread): CPU launches take turns.
+_INTERPRETER_LOCK = threading.Lock()
 # Large finite "minus infinity" for the running max (see module docstring).
 _NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -348,9 +353,10 @@ def tree_attention(query: torch.Tensor, key_new: torch.Tensor, value_new: torch.
                       block_s=block_s, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                       interpreter=query.device.type == "cpu")
     kernel = kernel_function(interpret=spec.interpreter)
-    kernel[spec.grid(batch, num_new)](
-        query.contiguous(), key_new.contiguous(), value_new.contiguous(), key_cache, value_cache,
-        cache_lengths.contiguous(), tree_mask.contiguous(), num_new, capacity,
-        output, key_cache, value_cache,
-        num_warps=num_warps, num_stages=num_stages, **spec.constexprs())
+    with _INTERPRETER_LOCK if spec.interpreter else contextlib.nullcontext():
+        kernel[spec.grid(batch, num_new)](
+            query.contiguous(), key_new.contiguous(), value_new.contiguous(), key_cache, value_cache,
+            cache_lengths.contiguous(), tree_mask.contiguous(), num_new, capacity,
+            output, key_cache, value_cache,
+            num_warps=num_warps, num_stages=num_stages, **spec.constexprs())
     return output, key_cache, value_cache

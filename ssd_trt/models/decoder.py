@@ -8,6 +8,7 @@ and Qwen3 (per-head q/k RMSNorm), and a reduced draft head (``lm_head_token_ids`
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -15,6 +16,8 @@ from torch import nn
 from ssd_trt.models.config import DecoderConfig
 from ssd_trt.models.tree_attention_op import tree_attention
 
+# (query, key_new, value_new, key_cache, value_cache, cache_lengths, tree_mask, scale) -> (out, key_cache, value_cache)
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -64,7 +67,8 @@ class Attention(nn.Module):
         self.scale = c.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_lengths: torch.Tensor,
-                tree_mask: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
+                tree_mask: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                attention: AttentionFn = tree_attention):
         batch, num_new, _ = x.shape
         q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
@@ -74,8 +78,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out, key_cache, value_cache = tree_attention(q, k, v, key_cache, value_cache, cache_lengths,
-                                                     tree_mask, self.scale)
+        out, key_cache, value_cache = attention(q, k, v, key_cache, value_cache, cache_lengths, tree_mask,
+                                                self.scale)
         out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)
         return self.o_proj(out), key_cache, value_cache
 
@@ -99,9 +103,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache_lengths, tree_mask, key_cache, value_cache):
+    def forward(self, x, cos, sin, cache_lengths, tree_mask, key_cache, value_cache,
+                attention: AttentionFn = tree_attention):
         attn, key_cache, value_cache = self.self_attn(self.input_layernorm(x), cos, sin, cache_lengths,
-                                                      tree_mask, key_cache, value_cache)
+                                                      tree_mask, key_cache, value_cache, attention)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), key_cache, value_cache
 
@@ -135,12 +140,15 @@ class Decoder(nn.Module):
             return logits
         # Reduced draft head: tokens outside the subset get -inf, i.e. q = 0. Lossless, because
         # verification only ever evaluates p/q at proposed tokens and the residual there is p.
-        full = torch.full(logits.shape[:-1] + (self.config.vocab_size,), float("-inf"), dtype=logits.dtype)
+        full = torch.full(logits.shape[:-1] + (self.config.vocab_size,), float("-inf"), dtype=logits.dtype,
+                          device=logits.device)
         index = self.lm_head_token_ids.expand(logits.shape[:-1] + (-1,))
         return full.scatter(-1, index, logits)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree_mask: torch.Tensor,
-                cache_lengths: torch.Tensor, *caches: torch.Tensor):
+                cache_lengths: torch.Tensor, *caches: torch.Tensor, attention: AttentionFn = tree_attention):
+        """``attention`` runs ``ssd::tree_attention``: the custom op by default (what the exporters trace);
+        the GPU runtime passes the Triton kernel updating the caches in place (``engines/device_step.py``)."""
         if len(caches) != 2 * self.config.num_layers:
             raise ValueError(f"expected {2 * self.config.num_layers} cache tensors, got {len(caches)}")
         angles = position_ids.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
@@ -150,7 +158,7 @@ class Decoder(nn.Module):
         new_caches: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             x, key_cache, value_cache = layer(x, cos, sin, cache_lengths, tree_mask,
-                                              caches[2 * i], caches[2 * i + 1])
+                                              caches[2 * i], caches[2 * i + 1], attention)
             new_caches += [key_cache, value_cache]
         return (self.head(self.norm(x)), *new_caches)
 

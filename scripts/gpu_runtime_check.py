@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""GPU check of the runtime: the step engine with CUDA graphs, the decoding strategies on it, step timings.
+
+Needs one NVIDIA GPU with torch + triton (no TensorRT): the engine is
+:class:`ssd_trt.engines.torch_device.TorchDeviceEngine`, i.e. the runtime's own
+:class:`~ssd_trt.engines.device_step.DeviceStepEngine` (static caches, (batch, T) buckets, CUDA graphs
+captured on first use and replayed, one stream per engine) launching the project's decoder with the
+tree-attention Triton kernel in place. Three parts, one JSON:
+
+1. **parity**: the shipped draft network (real weights) on the GPU in fp32 with CUDA graphs, against
+   the same network on CPU (attention by the reference math, eager): ragged prefill, greedy decode
+   steps (replayed graphs), a verify step, rollback, a tree step and ``keep``; max |logit difference|
+   and whether every greedy choice agrees;
+2. **lossless**: greedy AR, SD and SSD (Saguaro, the draft in its worker thread on its own stream)
+   on the GPU with the shipped draft network as the *target* (fp32) and two drafts, the same network
+   in bf16 with its copy component (high acceptance) and an unrelated random network (almost every
+   speculation misses): SD and SSD must be token-identical to AR; acceptance, hit rate, tokens/s;
+3. **timing**: decode (B = 1, eager vs CUDA graph), verify (T = 3) and a 32-row fan-out decode step for
+   SmolLM2-135M's shape, the draft, and Llama-3.2-1B's shape (bf16; random weights: speed does not
+   depend on them), after a 512-token prefill; CUDA-event milliseconds per step.
+
+    python scripts/gpu_runtime_check.py --json gpu_runtime.json
+    python scripts/gpu_runtime_check.py --device cpu --smoke     # dry run of the code path on CPU
+
+Exit code 0 when parity and losslessness hold, 1 when one fails, 2 when there is no CUDA device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ssd_trt.decoding.autoregressive import generate_autoregressive  # noqa: E402
+from ssd_trt.decoding.batch import Sequences, feed_ragged  # noqa: E402
+from ssd_trt.decoding.params import SamplingParams  # noqa: E402
+from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro  # noqa: E402
+from ssd_trt.decoding.speculative import generate_speculative, tree_mask_from_parents  # noqa: E402
+from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine  # noqa: E402
+from ssd_trt.engines.device_step import place_draft_and_target  # noqa: E402
+from ssd_trt.engines.torch_device import TorchDeviceEngine  # noqa: E402
+from ssd_trt.models.config import DecoderConfig  # noqa: E402
+from ssd_trt.models.decoder import Decoder  # noqa: E402
+from ssd_trt.models.loading import load_decoder  # noqa: E402
+from ssd_trt.models.sources import resolve_source  # noqa: E402
+from ssd_trt.recipe import ssd_tree_tokens  # noqa: E402
+from ssd_trt.trt.profiles import ProfileLimits  # noqa: E402
+
+DRAFT_DIR = ROOT / "recipes" / "drafts" / "smollm2-135m-draft"
+TOKENIZER_DIR = ROOT / "build" / "smollm2-135m" / "tokenizer"
+PROMPTS = ROOT / "ssd_trt" / "bench" / "prompts" / "default.jsonl"
+SSD = SaguaroConfig(draft_len=2, fan_out_budget=16)
+LIMITS = ProfileLimits(max_batch=32, max_context=1024, max_draft_len=SSD.draft_len,
+                       max_tree_size=ssd_tree_tokens(SSD.draft_len, SSD.fan_out_budget))
+SHAPES = {  # name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab)
+    "smollm2-135m": (30, 576, 9, 3, 64, 1536, 49152),
+    "llama-3.2-1b": (16, 2048, 32, 8, 64, 8192, 128256),
+}
+
+
+def load_draft_network() -> tuple[Decoder, CopyMixture | None]:
+    source = resolve_source(str(DRAFT_DIR))
+    model, hf = load_decoder(source)
+    return model, CopyMixture.from_config(hf.get("copy_mixture"), str(DRAFT_DIR / "config.json"))
+
+
+def clone(model: Decoder) -> Decoder:
+    copy = Decoder(model.config)
+    copy.load_state_dict(model.state_dict())
+    return copy.eval()
+
+
+def prompt_ids(count: int) -> list[list[int]]:
+    """Chat-formatted prompts of the project set, one per category first (tokenizer of the build)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    rows.sort(key=lambda row: int(row["id"].rsplit("-", 1)[1]))   # interleaves the categories
+    ids = []
+    for row in rows[:count]:
+        out = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+    return ids
+
+
+# -- 1. parity -------------------------------------------------------------------------------------
+def parity(network: Decoder, device: str, prompts: list[list[int]], steps: int) -> dict:
+    """The same step sequence on the GPU engine (graphs, Triton kernel) and on CPU (reference math)."""
+    engines = {"gpu": TorchDeviceEngine(clone(network), LIMITS, name="gpu", device=device),
+               "cpu": TorchDeviceEngine(clone(network), LIMITS, name="cpu", device="cpu", kernel="reference")}
+    logits: dict[str, list[np.ndarray]] = {name: [] for name in engines}
+    rows = prompts[:2]
+    for name, engine in engines.items():
+        engine.reset(len(rows))
+        out = feed_ragged(engine, rows)                              # ragged prefill (right-padded)
+        logits[name].append(out)
+        tokens = out.argmax(-1)[:, None]
+        for _ in range(steps):                                       # decode: B=2 x T=1 graph bucket
+            out = engine.forward(tokens, engine.lengths[:, None])
+            logits[name].append(out[:, -1])
+            tokens = out.argmax(-1)
+        positions = engine.lengths[:, None] + np.arange(3)
+        out = engine.forward(np.repeat(tokens, 3, axis=1), positions)  # verify: T=3 bucket
+        logits[name].append(out)
+        engine.rollback(engine.lengths - 2)
+        parents = [-1, 0, 0, 1, 2]                                    # tree step: padded to a bucket
+        mask = np.broadcast_to(tree_mask_from_parents(parents), (2, 5, 5))
+        depth = np.array([0, 1, 1, 2, 2])
+        out = engine.forward(np.tile([[17, 42, 99, 7, 13]], (2, 1)), engine.lengths[:, None] + depth, mask)
+        logits[name].append(out)
+        start = int(engine.lengths[0]) - 5
+        engine.keep(0, start, [0, 2, 4])
+        engine.rollback(np.array([start + 3, engine.lengths[1] - 5]))
+        out = engine.forward(np.array([[5], [6]]), engine.lengths[:, None])   # reads the kept path
+        logits[name].append(out[:, -1])
+    gpu, cpu = (np.concatenate([x.reshape(-1) for x in logits[n]]) for n in ("gpu", "cpu"))
+    finite = np.isfinite(cpu)
+    argmax_agree = all(np.array_equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(logits["gpu"], logits["cpu"]))
+    error = float(np.abs(gpu[finite] - cpu[finite]).max())
+    scale = float(np.abs(cpu[finite]).max())
+    same_inf = bool(np.array_equal(np.isfinite(gpu), finite))
+    captured = [f"{b.batch}x{b.tokens}" for b in engines["gpu"].captured_buckets]
+    return {"max_abs_logit_diff": error, "max_abs_logit": scale, "relative": error / scale,
+            "greedy_choices_agree": bool(argmax_agree), "same_masked_vocab": same_inf, "graphs_captured": captured,
+            "ok": bool(argmax_agree and same_inf and error / scale < 1e-4)}
+
+
+# -- 2. lossless -----------------------------------------------------------------------------------
+def run_mode(mode: str, target, draft, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], dict]:
+    """One greedy request batch in ``mode``: (token ids per row, the strategy's stats)."""
+    seqs = Sequences(params, frozenset({2}), len(batch))
+    rng = np.random.default_rng(0)
+    if mode == "ar":
+        stats = generate_autoregressive(target, batch, seqs, rng)
+    elif mode == "sd":
+        stats = generate_speculative(target, draft, batch, seqs, rng, draft_len=SSD.draft_len)
+    else:
+        stats = generate_saguaro(target, draft, batch, seqs, rng, SSD)
+    return seqs.tokens, stats
+
+
+def host_profile(mode: str, target, draft, batch: list[list[int]], params: SamplingParams, top: int = 8) -> dict:
+    """Where one request's wall time goes (cProfile, own time per function, this thread only)."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    run_mode(mode, target, draft, batch, params)
+    profiler.disable()
+    wall = time.perf_counter() - started
+    entries = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:top]
+    return {"wall_ms": wall * 1000.0,
+            "top_own_ms": {f"{Path(file).name}:{line}({name})": round(stat[2] * 1000.0, 2)
+                           for (file, line, name), stat in entries}}
+
+
+def lossless(network: Decoder, copy: CopyMixture | None, device: str, prompts: list[list[int]],
+             new_tokens: int, smoke: bool) -> dict:
+    draft_place, target_place = place_draft_and_target(max(1, torch.cuda.device_count()))
+    target = TorchDeviceEngine(clone(network), LIMITS, name="target", device=device, placement=target_place)
+    config = network.config
+    unrelated = Decoder(replace(config, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                                num_kv_heads=1, head_dim=32, head_vocab_size=None))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for param in unrelated.parameters():
+            param.normal_(0, 0.2)
+    low = torch.float32 if smoke else torch.bfloat16
+    bf16 = TorchDeviceEngine(clone(network), LIMITS, name="draft-bf16", device=device, dtype=low,
+                             placement=draft_place)
+    drafts = {"same network in bf16 + copy": CopyMixtureEngine(bf16, copy) if copy else bf16,
+              "unrelated random network": TorchDeviceEngine(unrelated.eval(), LIMITS, name="draft-random",
+                                                            device=device, placement=draft_place)}
+    params = SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False)
+    batches = [[p] for p in prompts] + [prompts[:4]]
+    results = {}
+    for label, draft in drafts.items():
+        # Warm-up, untimed: the first run of each mode compiles kernel variants and captures graphs.
+        for batch in (batches[0], batches[-1]):
+            for mode in ("ar", "sd", "ssd"):
+                run_mode(mode, target, draft, batch, params)
+        rows = {"ar": [], "sd": [], "ssd": []}
+        stats = {"sd": [], "ssd": []}
+        seconds = {"ar": 0.0, "sd": 0.0, "ssd": 0.0}
+        for batch in batches:
+            for mode in ("ar", "sd", "ssd"):
+                started = time.perf_counter()
+                tokens, mode_stats = run_mode(mode, target, draft, batch, params)
+                seconds[mode] += time.perf_counter() - started
+                rows[mode].append(tokens)
+                if mode != "ar":
+                    stats[mode].append(mode_stats)
+        tokens = sum(len(batch) for batch in batches) * new_tokens
+        profiles = {mode: host_profile(mode, target, draft, batches[0], params) for mode in ("ar", "sd", "ssd")}
+        results[label] = {
+            "sd_equals_ar": rows["sd"] == rows["ar"], "ssd_equals_ar": rows["ssd"] == rows["ar"],
+            "sd_mean_accepted": statistics.mean(s["mean_accepted"] for s in stats["sd"]),
+            "ssd_mean_accepted": statistics.mean(s["mean_accepted"] for s in stats["ssd"]),
+            "ssd_cache_hit_rate": statistics.mean(s["cache_hit_rate"] for s in stats["ssd"]),
+            "tokens_per_s_after_warmup": {mode: tokens / seconds[mode] for mode in seconds},
+            "sample_text_ids": rows["ar"][0][0][:16],
+            "host_profile_one_request": profiles,
+        }
+    results["graphs_captured"] = {engine.spec.name: [f"{b.batch}x{b.tokens}" for b in engine.captured_buckets]
+                                  for engine in (target, bf16, drafts["unrelated random network"])}
+    results["ok"] = all(r["sd_equals_ar"] and r["ssd_equals_ar"] for k, r in results.items() if isinstance(r, dict)
+                        and "sd_equals_ar" in r)
+    return results
+
+
+# -- 3. timing -------------------------------------------------------------------------------------
+def random_network(shape: tuple[int, ...], device: str) -> Decoder:
+    layers, hidden, heads, kv_heads, head_dim, intermediate, vocab = shape
+    config = DecoderConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                           num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                           tie_word_embeddings=True)
+    with torch.device(device):
+        model = Decoder(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.02)
+    return model.eval()
+
+
+def step_ms(engine: TorchDeviceEngine, batch: int, tokens: int, iters: int) -> dict:
+    """Median CUDA-event and wall milliseconds of a (batch x tokens) step after a prefill.
+
+    The prefill is 512 tokens for one row, 128 for many (32 x 512 would move 8 GB of logits to the host).
+    """
+    context = (512 if batch == 1 else 128) if engine.spec.max_context > 600 else 16
+    engine.reset(batch)
+    engine.forward(np.ones((batch, context), dtype=np.int64), np.tile(np.arange(context), (batch, 1)))
+    device_ms, wall_ms = [], []
+    for step in range(iters + 3):
+        engine.rollback(np.full(batch, context, dtype=np.int32))
+        positions = context + np.tile(np.arange(tokens), (batch, 1))
+        started = time.perf_counter()
+        engine.forward(np.full((batch, tokens), 7, dtype=np.int64), positions)
+        if step >= 3:                                   # the first run of a bucket captures its graph
+            wall_ms.append((time.perf_counter() - started) * 1000.0)
+            device_ms.append(engine.last_step_ms)
+    return {"context": context, "device_ms": statistics.median(device_ms), "wall_ms": statistics.median(wall_ms)}
+
+
+def timing(device: str, iters: int, smoke: bool, draft: Decoder) -> list[dict]:
+    networks = {"draft (shipped)": clone(draft)}
+    if not smoke:
+        networks.update({name: random_network(shape, device) for name, shape in SHAPES.items()})
+    rows = []
+    dtype = torch.float32 if smoke else torch.bfloat16
+    limits = LIMITS if not smoke else replace(LIMITS, max_context=64, max_batch=4)
+    for name, network in networks.items():
+        for graphs in (False, True):
+            engine = TorchDeviceEngine(network, limits, name=name, device=device, dtype=dtype, use_cuda_graphs=graphs)
+            for label, batch, tokens in (("decode", 1, 1), ("verify K+1=3", 1, 3), (f"fan-out B={limits.max_batch}",
+                                                                                    limits.max_batch, 1)):
+                rows.append({"model": name, "step": label, "batch": batch, "tokens": tokens, "cuda_graphs": graphs,
+                             **step_ms(engine, batch, tokens, iters)})
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="GPU check of the step runtime, strategies and step timings.")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU dry run of the code path)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"gpu_runtime_check: no CUDA device visible to torch {torch.__version__}", file=sys.stderr)
+        return 2
+    report: dict = {"torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"}
+    network, copy = load_draft_network()
+    prompts = prompt_ids(2 if args.smoke else args.prompts)
+    if args.smoke:
+        prompts = [p[-12:] for p in prompts] * 2
+    started = time.perf_counter()
+    report["parity"] = parity(network, args.device, prompts, steps=3 if args.smoke else 12)
+    print("parity:", json.dumps(report["parity"]), f"({time.perf_counter() - started:.0f} s)", flush=True)
+    started = time.perf_counter()
+    report["lossless"] = lossless(network, copy, args.device, prompts, 6 if args.smoke else args.new_tokens,
+                                  args.smoke)
+    print("lossless:", json.dumps(report["lossless"], indent=1), f"({time.perf_counter() - started:.0f} s)",
+          flush=True)
+    started = time.perf_counter()
+    report["timing"] = timing(args.device, 3 if args.smoke else args.iters, args.smoke, network)
+    print(f"timing ({time.perf_counter() - started:.0f} s):")
+    print(f"{'model':<16} {'step':<14} {'context':>7} {'graphs':>6} {'device_ms':>10} {'wall_ms':>8}")
+    for row in report["timing"]:
+        print(f"{row['model']:<16} {row['step']:<14} {row['context']:>7} {str(row['cuda_graphs']):>6} "
+              f"{row['device_ms']:>10.3f} {row['wall_ms']:>8.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    ok = report["parity"]["ok"] and report["lossless"]["ok"]
+    print("runtime check:", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

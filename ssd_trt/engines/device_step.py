@@ -1,0 +1,214 @@
+"""The engine interface over a step function that runs on a torch device: caches, buckets, CUDA graphs.
+
+What this runtime owns and why (shared by the TensorRT engine and the torch/Triton engine, which only
+differ in how one step is enqueued, :meth:`DeviceStepEngine._launch`):
+
+* **KV caches**: one [max_batch, Hkv, S, D] buffer per layer and per K/V, allocated once. A step
+  updates them in place (the tree-attention kernel writes the T new slots), so it costs O(T) cache
+  writes and rollback is just a length change. Batch b < max_batch uses the leading-dimension slice
+  [:b] (contiguous, same base address).
+* **CUDA graphs** per shape bucket (``ssd_trt/trt/cuda_graphs.py``): decode / verify / tree steps are
+  padded to a bucket, their inputs copied into the bucket's static buffers and the graph replayed;
+  prefill runs eagerly.
+* **A stream** per engine (on a GPU): draft and target run concurrently from two threads on two
+  streams or two GPUs (:func:`place_draft_and_target`); the target's stream gets the priority.
+* **Timing**: CUDA events around every step (``last_step_ms``); wall time on CPU.
+
+On a CPU device there is no stream and no graph: every step runs eagerly. That is how the tests run
+this exact code path (forward, padding, rollback, keep) on machines without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ssd_trt.engines.base import EngineSpec
+from ssd_trt.trt.cuda_graphs import GraphBucket, StepGraph, pad_step, plan_buckets, select_bucket
+from ssd_trt.trt.profiles import Profile, select_profile
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where an engine runs: a CUDA device and the priority of its own stream (lower = more urgent)."""
+    device: int = 0
+    stream_priority: int = 0
+
+
+def place_draft_and_target(num_gpus: int) -> tuple[Placement, Placement]:
+    """(draft, target) placement: two GPUs when there are, else two streams of GPU 0.
+
+    On one GPU the target's stream gets the higher priority: its verification is the critical path,
+    the draft's speculation fills the gaps.
+    """
+    if num_gpus < 1:
+        raise ValueError("the GPU runtime needs at least one CUDA device")
+    if num_gpus >= 2:
+        return Placement(device=1), Placement(device=0)
+    return Placement(device=0, stream_priority=0), Placement(device=0, stream_priority=-1)
+
+
+def causal_mask(batch: int, tokens: int) -> np.ndarray:
+    """bool [B,T,T] lower-triangular mask (the chain case)."""
+    return np.broadcast_to(np.tril(np.ones((tokens, tokens), dtype=bool)), (batch, tokens, tokens)).copy()
+
+
+class StepBuffers:
+    """Device tensors for one step shape (rows x tokens); static when they belong to a graph bucket."""
+
+    def __init__(self, device: torch.device, vocab_size: int, logits_dtype: torch.dtype, rows: int,
+                 tokens: int) -> None:
+        words = (tokens + 31) // 32
+        self.rows, self.tokens = rows, tokens
+        self.inputs = {
+            "input_ids": torch.zeros((rows, tokens), dtype=torch.int64, device=device),
+            "position_ids": torch.zeros((rows, tokens), dtype=torch.int64, device=device),
+            "tree_mask": torch.zeros((rows, tokens, words), dtype=torch.int32, device=device),
+            "cache_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
+        }
+        self.logits = torch.empty((rows, tokens, vocab_size), dtype=logits_dtype, device=device)
+
+    def upload(self, host: dict[str, np.ndarray]) -> None:
+        for name, tensor in self.inputs.items():
+            tensor.copy_(torch.from_numpy(np.ascontiguousarray(host[name])), non_blocking=False)
+
+
+class DeviceStepEngine:
+    """Engine interface (``engines/base.py``) over :meth:`_launch`, which subclasses implement.
+
+    ``_launch(profile, buffers)`` must enqueue one step on the current stream: read
+    ``buffers.inputs`` and the first ``buffers.rows`` rows of :attr:`caches`, write the T new
+    keys/values into those caches in place and the logits into ``buffers.logits``, touching no other
+    memory whose address changes between calls (so that it can be captured in a CUDA graph).
+    """
+
+    def __init__(self, spec: EngineSpec, profiles: tuple[Profile, ...], *, device: torch.device,
+                 cache_dtype: torch.dtype, logits_dtype: torch.dtype, stream_priority: int = 0,
+                 use_cuda_graphs: bool = True) -> None:
+        self.spec = spec
+        self._profiles = profiles
+        self._device = device
+        self._logits_dtype = logits_dtype
+        on_gpu = device.type == "cuda"
+        with self._on_device():
+            self._stream = torch.cuda.Stream(device, priority=stream_priority) if on_gpu else None
+            shape = (spec.max_batch, spec.num_kv_heads, spec.max_context, spec.head_dim)
+            self.caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
+                            torch.zeros(shape, dtype=cache_dtype, device=device))
+                           for _ in range(spec.num_layers)]
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+                if on_gpu else None
+        self._buckets = plan_buckets(profiles) if (use_cuda_graphs and on_gpu) else ()
+        self._graphs: dict[GraphBucket, tuple[StepGraph, StepBuffers]] = {}
+        self._lengths = np.zeros(0, dtype=np.int32)
+        self.last_step_ms = 0.0
+
+    def _on_device(self):
+        """Make this engine's device (and stream, once made) current; nothing to do on CPU."""
+        if self._device.type != "cuda":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self._device))
+        if getattr(self, "_stream", None) is not None:
+            stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
+
+    @property
+    def captured_buckets(self) -> tuple[GraphBucket, ...]:
+        """The buckets whose CUDA graph has been captured so far."""
+        return tuple(bucket for bucket, (graph, _) in self._graphs.items() if graph.captured)
+
+    # -- Engine interface ----------------------------------------------------------------------------
+    def reset(self, batch: int) -> None:
+        """Start ``batch`` empty sequences (cache contents are simply overwritten later)."""
+        if not 1 <= batch <= self.spec.max_batch:
+            raise ValueError(f"batch must be in [1, {self.spec.max_batch}] (engine.max_batch), got {batch}")
+        self._lengths = np.zeros(batch, dtype=np.int32)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths.copy()
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray,
+                tree_mask: np.ndarray | None = None) -> np.ndarray:
+        """Append ``input_ids`` [B,T] to every row; return float32 logits [B,T,V]."""
+        ids = np.asarray(input_ids, dtype=np.int64)
+        positions = np.asarray(position_ids, dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[0] != len(self._lengths) or positions.shape != ids.shape:
+            raise ValueError(f"input_ids and position_ids must both be [{len(self._lengths)}, T] (call reset(batch) "
+                             f"first); got {ids.shape} and {positions.shape}")
+        batch, tokens = ids.shape
+        mask = causal_mask(batch, tokens) if tree_mask is None else np.asarray(tree_mask, dtype=bool)
+        if mask.shape != (batch, tokens, tokens) or not mask[:, np.arange(tokens), np.arange(tokens)].all():
+            raise ValueError(f"tree_mask must be bool [{batch}, {tokens}, {tokens}] with every token seeing itself")
+        room = self.spec.max_context - int(self._lengths.max())
+        if tokens > room:
+            raise ValueError(f"{tokens} new tokens overflow the cache (room {room} of {self.spec.max_context}); "
+                             "roll back or raise engine.max_context")
+        profile = select_profile(self._profiles, batch, tokens)
+        bucket = select_bucket(self._buckets, batch, tokens, room) if self._buckets else None
+        rows, padded = (bucket.batch, bucket.tokens) if bucket else (batch, tokens)
+        host = pad_step(ids, positions, mask, self._lengths, rows, padded)
+        started = time.perf_counter()
+        with self._on_device():
+            if self._events:
+                self._events[0].record(self._stream)
+            if bucket is not None:
+                graph, buffers = self._graph_for(bucket)
+                buffers.upload(host)
+                graph.run()
+            else:
+                buffers = StepBuffers(self._device, self.spec.vocab_size, self._logits_dtype, rows, padded)
+                buffers.upload(host)
+                self._launch(profile, buffers)
+            if self._events:
+                self._events[1].record(self._stream)
+            logits = buffers.logits[:batch, :tokens].float().cpu()  # waits for the stream
+        self.last_step_ms = self._events[0].elapsed_time(self._events[1]) if self._events else \
+            (time.perf_counter() - started) * 1000.0
+        self._lengths = self._lengths + tokens
+        return logits.numpy()
+
+    def rollback(self, lengths: np.ndarray) -> None:
+        """Truncate every row to ``lengths`` [B] (<= current): later steps overwrite the tail."""
+        new = np.asarray(lengths, dtype=np.int32)
+        if new.shape != self._lengths.shape or (new < 0).any() or (new > self._lengths).any():
+            raise ValueError(f"rollback lengths must be [{len(self._lengths)}] ints in [0, current lengths "
+                             f"{self._lengths.tolist()}], got {new.tolist()}")
+        self._lengths = new.copy()
+
+    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
+        """Keep slots ``start + offsets[i]`` of ``row`` as slots ``start + i`` (the accepted tree path)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if not 0 <= row < len(self._lengths):
+            raise ValueError(f"row must be in [0, {len(self._lengths)}), got {row}")
+        length = int(self._lengths[row])
+        if not 0 <= start <= length or (offsets < 0).any() or (start + offsets >= length).any():
+            raise ValueError(f"keep: slots start + offsets must lie in [start, {length}) for row {row}; got start "
+                             f"{start}, offsets {offsets.tolist()}")
+        if len(offsets):
+            with self._on_device():
+                source = torch.as_tensor(start + offsets, device=self._device)
+                for key, value in self.caches:
+                    for cache in (key, value):
+                        # Gather first (a copy), then write: source and destination slots may overlap.
+                        cache[row, :, start:start + len(offsets)] = cache[row, :, source]
+            if self._stream is not None:
+                self._stream.synchronize()
+        self._lengths[row] = start + len(offsets)
+
+    # -- execution -----------------------------------------------------------------------------------
+    def _graph_for(self, bucket: GraphBucket) -> tuple[StepGraph, StepBuffers]:
+        if bucket not in self._graphs:
+            buffers = StepBuffers(self._device, self.spec.vocab_size, self._logits_dtype, bucket.batch,
+                                  bucket.tokens)
+            graph = StepGraph(lambda: self._launch(bucket.profile, buffers), self._stream)
+            self._graphs[bucket] = (graph, buffers)
+        return self._graphs[bucket]
+
+    def _launch(self, profile: int, buffers: StepBuffers) -> None:
+        raise NotImplementedError

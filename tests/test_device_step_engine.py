@@ -1,0 +1,116 @@
+"""The GPU step runtime (``engines/device_step.py``) with the torch/Triton launcher (``engines/torch_device.py``).
+
+On CPU the engine runs the same forward / padding / rollback / keep code with the tree-attention kernel
+in the Triton interpreter, every step eagerly: checked against the real ONNX Runtime engine of the
+same model on one step script, and under the decoding strategies (greedy SD and SSD == AR). On a GPU
+(marked ``gpu``, skipped here with the reason) the same checks run with CUDA graphs replayed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ssd_trt
+from ssd_trt.decoding.autoregressive import generate_autoregressive
+from ssd_trt.decoding.batch import Sequences, feed_ragged
+from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
+from ssd_trt.decoding.speculative import generate_speculative, tree_mask_from_parents
+from ssd_trt.engines.torch_device import TorchDeviceEngine
+from ssd_trt.trt.availability import probe_cuda
+from ssd_trt.trt.profiles import ProfileLimits
+from tests.helpers import perturbed, random_decoder, tiny_config
+
+HAS_CUDA, CUDA_REASON = probe_cuda()
+LIMITS = ProfileLimits(max_batch=4, max_context=128, max_draft_len=3, max_tree_size=8)
+PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 3], [1, 42, 42, 42, 42, 8, 19]]
+
+
+def step_script(engine) -> list[np.ndarray]:
+    """Ragged prefill, greedy decodes, a verify step, rollback, a tree step, keep, and a step after it."""
+    engine.reset(2)
+    outputs = [feed_ragged(engine, PROMPTS[:2])]
+    tokens = outputs[-1].argmax(-1)[:, None]
+    for _ in range(3):
+        out = engine.forward(tokens, engine.lengths[:, None])
+        outputs.append(out)
+        tokens = out.argmax(-1)
+    outputs.append(engine.forward(np.repeat(tokens, 4, axis=1), engine.lengths[:, None] + np.arange(4)))
+    engine.rollback(engine.lengths - np.array([2, 3]))
+    parents = [-1, 0, 0, 1, 2]
+    mask = np.broadcast_to(tree_mask_from_parents(parents), (2, 5, 5))
+    outputs.append(engine.forward(np.tile([[17, 42, 99, 7, 13]], (2, 1)),
+                                  engine.lengths[:, None] + np.array([0, 1, 1, 2, 2]), mask))
+    start = int(engine.lengths[0]) - 5
+    engine.keep(0, start, [0, 2, 4])
+    engine.rollback(np.array([start + 3, engine.lengths[1] - 5]))
+    outputs.append(engine.forward(np.array([[5], [6]]), engine.lengths[:, None]))
+    assert engine.lengths.tolist() == [start + 4, engine.lengths[1]]
+    return outputs
+
+
+def test_step_script_matches_the_onnx_runtime_engine(tiny_pairs):
+    reference = step_script(ssd_trt.load(tiny_pairs["self"]).engine("target"))
+    engine = TorchDeviceEngine(random_decoder(tiny_config(), seed=0), LIMITS, device="cpu")  # the same target
+    for ours, theirs in zip(step_script(engine), reference):
+        np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0)
+    assert engine.last_step_ms > 0
+
+
+def greedy_runs(target, draft, prompts, new_tokens: int) -> dict[str, list[list[int]]]:
+    params = SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False)
+    outputs = {}
+    for mode in ("ar", "sd", "ssd"):
+        seqs = Sequences(params, frozenset({2}), len(prompts))
+        rng = np.random.default_rng(0)
+        if mode == "ar":
+            generate_autoregressive(target, prompts, seqs, rng)
+        elif mode == "sd":
+            generate_speculative(target, draft, prompts, seqs, rng, draft_len=3)
+        else:
+            generate_saguaro(target, draft, prompts, seqs, rng, SaguaroConfig(draft_len=3, fan_out_budget=8))
+        outputs[mode] = seqs.tokens
+    return outputs
+
+
+def test_greedy_sd_and_ssd_on_this_engine_equal_autoregressive():
+    """The strategies drive the engine through ragged, chain, tree and keep steps, SSD from two threads."""
+    model = random_decoder(tiny_config(), seed=0)
+    target = TorchDeviceEngine(model, LIMITS, name="target", device="cpu")
+    draft = TorchDeviceEngine(perturbed(model, seed=1, amount=0.05), LIMITS, name="draft", device="cpu")
+    outputs = greedy_runs(target, draft, PROMPTS[:2], new_tokens=10)
+    assert outputs["sd"] == outputs["ar"]
+    assert outputs["ssd"] == outputs["ar"]
+    assert len(outputs["ar"][0]) == 10
+
+
+def test_clear_errors_for_a_missing_gpu_and_a_bad_dtype():
+    model = random_decoder(tiny_config(), seed=0)
+    if not HAS_CUDA:
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU.*device='cpu'"):
+            TorchDeviceEngine(model, LIMITS, device="cuda")
+    with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
+        TorchDeviceEngine(model, LIMITS, device="cpu", dtype=torch.float64)
+
+
+def test_rotary_frequencies_stay_fp32_in_a_bf16_engine():
+    engine = TorchDeviceEngine(random_decoder(tiny_config(), seed=0), LIMITS, device="cpu", dtype=torch.bfloat16)
+    assert engine.model.inv_freq.dtype == torch.float32
+    assert engine.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert engine.caches[0][0].dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason=f"needs a CUDA GPU: {CUDA_REASON}")
+def test_cuda_graph_engine_matches_the_cpu_engine_and_stays_lossless():
+    model = random_decoder(tiny_config(), seed=0)
+    gpu = TorchDeviceEngine(model, LIMITS, device="cuda")
+    cpu = TorchDeviceEngine(random_decoder(tiny_config(), seed=0), LIMITS, device="cpu", kernel="reference")
+    for ours, theirs in zip(step_script(gpu), step_script(cpu)):
+        np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0)
+    assert gpu.captured_buckets, "decode / verify / tree steps should replay CUDA graphs"
+    draft = TorchDeviceEngine(perturbed(random_decoder(tiny_config(), seed=0), seed=1, amount=0.05), LIMITS,
+                              name="draft", device="cuda")
+    outputs = greedy_runs(gpu, draft, PROMPTS, new_tokens=24)
+    assert outputs["sd"] == outputs["ar"] and outputs["ssd"] == outputs["ar"]
