@@ -9,7 +9,9 @@ Runs in well under 5 minutes and prints one table:
    512-token prefill; the relative error max|out - ref| / max|ref| against the dtype's tolerance;
 2. speed: the kernel (in-place cache update included) against torch scaled_dot_product_attention
    with an explicit boolean mask over the same keys (cache write not included for SDPA);
-3. a CUDA graph of a decode step: captured, replayed, checked against the eager step, timed.
+3. a CUDA graph of a decode step: captured, replayed, checked against the eager step, timed;
+4. the TensorRT plugin's tactics (``trt_plugin.tactics_for``): each tile timed on every case, with its
+   relative error, so the tile TensorRT's autotuner would keep can be read off per step kind.
 
 Needs only ``plugins/`` and this script (a few hundred KB). Exit code 0 when every check passes, 1
 when one fails, 2 when there is no CUDA device.
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugins.tree_attention.reference import attention_mask, pack_tree_mask, tree_attention_reference  # noqa: E402
 from plugins.tree_attention.triton_kernel import tree_attention  # noqa: E402
+from plugins.tree_attention.trt_plugin import tactics_for  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 32, 8, 128, 4096
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -144,6 +147,29 @@ def check_graph(dtype, iters) -> dict:
             "triton_us": time_us(step, iters), "sdpa_us": None, "graph_us": time_us(graph.replay, iters)}
 
 
+def check_tactics(dtype, iters) -> list[dict]:
+    """Every plugin tactic of ``dtype`` on every case: error and in-place kernel time."""
+    rows = []
+    name_of = NAMES[dtype]
+    for name, batch, tokens, lengths in CASES:
+        query, key_new, value_new, key_cache, value_cache, lens, packed = make_case(name, batch, tokens, lengths,
+                                                                                    dtype)
+        scale = HEAD_DIM ** -0.5
+        ref, _, _ = tree_attention_reference(query, key_new, value_new, key_cache, value_cache, lens, packed, scale)
+        for tactic, tile in sorted(tactics_for(name_of).items()):
+            tiles = dict(block_m=tile.block_m, block_s=tile.block_s, block_n=tile.block_n, num_warps=tile.num_warps,
+                         num_stages=tile.num_stages)
+            out, _, _ = tree_attention(query, key_new, value_new, key_cache.clone(), value_cache.clone(), lens,
+                                       packed, scale, **tiles)
+            error = (out.double() - ref.double()).abs().max().item() / ref.double().abs().max().item()
+            keys, values = key_cache.clone(), value_cache.clone()
+            micros = time_us(lambda: tree_attention(query, key_new, value_new, keys, values, lens, packed, scale,
+                                                    inplace=True, check_lengths=False, **tiles), iters)
+            rows.append({"check": name, "dtype": name_of, "tactic": tactic, "tile": list(tiles.values()),
+                         "rel_err": error, "ok": bool(error < TOLERANCE[dtype]), "us": micros})
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     header = f"{'check':<18} {'dtype':<5} {'B':>2} {'T':>4} {'L':>5} {'rel_err':>9} {'tol':>8} {'ok':>3} " \
              f"{'triton_us':>10} {'sdpa_us':>9} {'speedup':>8} {'graph_us':>9}"
@@ -175,11 +201,17 @@ def main(argv: list[str] | None = None) -> int:
             for dtype in (torch.float32, torch.float16, torch.bfloat16) for name, batch, tokens, lengths in CASES]
     rows += [check_graph(dtype, args.iters) for dtype in (torch.float16, torch.bfloat16)]
     print_table(rows)
+    tactic_rows = [row for dtype in (torch.float32, torch.float16, torch.bfloat16)
+                   for row in check_tactics(dtype, args.iters)]
+    print(f"\nplugin tactics (tile = block_m, block_s, block_n, warps, stages):")
+    for row in tactic_rows:
+        print(f"  {row['check']:<8} {row['dtype']:<5} tactic {row['tactic']} {str(row['tile']):<22} "
+              f"rel_err {row['rel_err']:.2e} {'ok' if row['ok'] else 'NO'} {row['us']:9.1f} us")
     if args.json:
         args.json.write_text(json.dumps({"device": device, "torch": torch.__version__, "triton": triton.__version__,
-                                         "rows": rows}, indent=2))
-    failed = [row for row in rows if not row["ok"]]
-    print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed")
+                                         "rows": rows, "tactics": tactic_rows}, indent=2))
+    failed = [row for row in rows + tactic_rows if not row["ok"]]
+    print(f"\n{len(rows) + len(tactic_rows) - len(failed)}/{len(rows) + len(tactic_rows)} checks passed")
     return 1 if failed else 0
 
 
