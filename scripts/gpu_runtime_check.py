@@ -15,7 +15,10 @@ tree-attention Triton kernel in place. Three parts, one JSON:
    on the GPU with the shipped draft network as the *target* (fp32) and two drafts, the same network
    in bf16 with its copy component (high acceptance) and an unrelated random network (almost every
    speculation misses): SD and SSD must be token-identical to AR; acceptance, hit rate, tokens/s;
-3. **timing**: decode (B = 1, eager vs CUDA graph), verify (T = 3) and a 32-row fan-out decode step for
+3. **backend** (with ``--build DIR``): the public runtime on a build with ``RuntimeOptions(backend="torch")``
+   (weights reloaded from the build's recorded sources onto the GPU) against the same build on ONNX
+   Runtime: greedy AR, SD and SSD on the GPU token-identical to ONNX Runtime's AR;
+4. **timing**: decode (B = 1, eager vs CUDA graph), verify (T = 3) and a 32-row fan-out decode step for
    SmolLM2-135M's shape, the draft, and Llama-3.2-1B's shape (bf16; random weights: speed does not
    depend on them), after a 512-token prefill; CUDA-event milliseconds per step.
 
@@ -219,7 +222,29 @@ def lossless(network: Decoder, copy: CopyMixture | None, device: str, prompts: l
     return results
 
 
-# -- 3. timing -------------------------------------------------------------------------------------
+# -- 3. backend ------------------------------------------------------------------------------------
+def backend(build: Path, prompts: list[list[int]], new_tokens: int) -> dict:
+    """``python -m ssd_trt.generate --backend torch`` on the GPU against ONNX Runtime, through the public API."""
+    import ssd_trt
+    from ssd_trt.runtime import RuntimeOptions
+    params = SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False)
+    vocab = ssd_trt.load(build).spec("target").vocab_size
+    prompts = [[token % vocab for token in prompt] for prompt in prompts]
+    reference = [r.token_ids for r in ssd_trt.load(build).generate_ids(prompts, params, mode="ar")]
+    gen = ssd_trt.load(build, RuntimeOptions(backend="torch"))
+    result = {"build": str(build), "engine_device": str(gen.engine("target").caches[0][0].device)}
+    for mode in ("ar", "sd", "ssd"):
+        gen.generate_ids(prompts, params, mode=mode)        # warm-up: kernel compiles, graph captures
+        started = time.perf_counter()
+        outputs = gen.generate_ids(prompts, params, mode=mode)
+        result[mode] = {"equals_ort_ar": [r.token_ids for r in outputs] == reference,
+                        "tokens_per_s": len(prompts) * new_tokens / (time.perf_counter() - started),
+                        "mean_accepted": outputs[0].stats.get("mean_accepted")}
+    result["ok"] = all(result[mode]["equals_ort_ar"] for mode in ("ar", "sd", "ssd"))
+    return result
+
+
+# -- 4. timing -------------------------------------------------------------------------------------
 def random_network(shape: tuple[int, ...], device: str) -> Decoder:
     layers, hidden, heads, kv_heads, head_dim, intermediate, vocab = shape
     config = DecoderConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -282,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--build", type=Path, help="also check the runtime's torch backend on this build dir")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu_runtime_check: no CUDA device visible to torch {torch.__version__}", file=sys.stderr)
@@ -300,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                                   args.smoke)
     print("lossless:", json.dumps(report["lossless"], indent=1), f"({time.perf_counter() - started:.0f} s)",
           flush=True)
+    if args.build:
+        started = time.perf_counter()
+        report["backend"] = backend(args.build, prompts[:4], 8 if args.smoke else 32)
+        print("backend:", json.dumps(report["backend"]), f"({time.perf_counter() - started:.0f} s)", flush=True)
     started = time.perf_counter()
     report["timing"] = timing(args.device, 3 if args.smoke else args.iters, args.smoke, network)
     print(f"timing ({time.perf_counter() - started:.0f} s):")
@@ -309,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['device_ms']:>10.3f} {row['wall_ms']:>8.3f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    ok = report["parity"]["ok"] and report["lossless"]["ok"]
+    ok = report["parity"]["ok"] and report["lossless"]["ok"] and report.get("backend", {}).get("ok", True)
     print("runtime check:", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
 

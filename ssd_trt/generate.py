@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ssd_trt.errors import SsdTrtError
-from ssd_trt.runtime import MODES, RuntimeOptions
+from ssd_trt.runtime import BACKENDS, MODES, RuntimeOptions
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-widths", default=None, help="sd: verify a token tree, e.g. 2,2,1 children per depth")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of streaming")
+    p.add_argument("--backend", default=None, choices=BACKENDS,
+                   help="ort | trt | torch (torch decoder + Triton kernel on a GPU, no TensorRT); default: the "
+                        "build's choice (TensorRT when usable, else ONNX Runtime)")
     return p
 
 
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         generator = ssd_trt.load(args.build_dir, RuntimeOptions(draft_len=args.draft_len,
-                                                                tree_widths=parse_widths(args.tree_widths)))
+                                                                tree_widths=parse_widths(args.tree_widths),
+                                                                backend=args.backend))
         streamed: list[int] = []
         printed = [0]
 

@@ -20,6 +20,10 @@ from ssd_trt.manifest import read_manifest, verify_artifacts
 from ssd_trt.recipe import DecodingDefaults, ssd_tree_tokens
 
 MODES = ("ar", "sd", "ssd")
+# ort: ONNX Runtime on CPU; trt: the TensorRT engines; torch: the torch decoder with the Triton kernel on a
+# GPU with CUDA graphs (no TensorRT needed; weights reloaded from the build's recorded sources; on a
+# machine without a GPU it runs eagerly with the kernel in the Triton interpreter, which only tests want).
+BACKENDS = ("ort", "trt", "torch")
 
 
 @dataclass
@@ -34,6 +38,8 @@ class RuntimeOptions:
     spin: bool | None = None                # ORT thread-pool spinning; None: off when the models share cores
     ssd: dict[str, Any] = field(default_factory=dict)   # SaguaroConfig overrides
     draft_copy: bool = True                 # use the draft's copy component when its config has one
+    backend: str | None = None              # None: the build's (TensorRT when usable, else ONNX Runtime);
+                                            # "ort"; "trt"; "torch": torch decoder + Triton kernel (see BACKENDS)
 
     def __post_init__(self) -> None:
         import os
@@ -48,6 +54,9 @@ class RuntimeOptions:
         if self.tree_widths is not None and (not self.tree_widths or any(
                 isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.tree_widths)):
             raise RequestError(f"tree_widths must be positive integers (children per depth), got {self.tree_widths!r}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise RequestError(f"backend must be one of {', '.join(BACKENDS)} (or None for the build's choice), "
+                               f"got {self.backend!r}")
         self.saguaro_config()   # validate the SSD overrides once, here
 
     @property
@@ -120,8 +129,11 @@ class Generator:
                           max_batch=self.limits["max_batch"], max_context=self.limits["max_context"])
 
     def backend(self, role: str) -> str:
-        """'trt' when the recipe allows it, an engine.plan exists and TensorRT + a GPU are usable."""
-        wanted = self.limits.get("backend", "auto")
+        """The options' backend if set; else 'trt' when the recipe allows it, an engine.plan exists and
+        TensorRT + a GPU are usable; else 'ort'."""
+        wanted = self.options.backend or self.limits.get("backend", "auto")
+        if wanted == "torch":
+            return "torch"
         if wanted == "ort" or not (self.root / role / "engine.plan").is_file():
             if wanted == "trt":
                 raise ArtifactError(f"{self.root / role} has no TensorRT engine (engine.plan); build on a GPU "
@@ -143,6 +155,8 @@ class Generator:
         return self._engines[role]
 
     def _open_engine(self, role: str):
+        if self.backend(role) == "torch":
+            return self._open_torch_engine(role)
         if self.backend(role) == "trt":
             import torch
             from ssd_trt.trt.engine import TensorRTEngine, place_draft_and_target
@@ -154,6 +168,35 @@ class Generator:
         cores = self.options.target_cores if role == "target" else self.options.draft_cores
         return OrtEngine(self.root / role / "model.ort.onnx", self.spec(role), threads, cores,
                          spin=self.options.spinning)
+
+    def _open_torch_engine(self, role: str):
+        """The role's model as a TorchDeviceEngine, reloaded from the source the build recorded."""
+        import torch
+
+        from ssd_trt.engines.device_step import Placement, place_draft_and_target
+        from ssd_trt.engines.torch_device import TorchDeviceEngine
+        from ssd_trt.models.loading import load_decoder
+        from ssd_trt.models.sources import resolve_source, source_fingerprint
+        from ssd_trt.trt.profiles import ProfileLimits
+
+        entry = self.manifest["models"][role]
+        try:
+            source = resolve_source(entry["source"])
+        except SsdTrtError as exc:
+            raise ArtifactError(f"the torch backend reloads the {role} weights from the source the build recorded, "
+                                f"and it is not usable: {exc}; restore it or use the ort backend") from None
+        if source_fingerprint(source) != entry.get("source_sha256"):
+            raise ArtifactError(f"the {role} source {source.path} changed since {self.root} was built (sha256 "
+                                "differs from the manifest); rebuild, or use the ort backend")
+        model, _ = load_decoder(source)
+        on_gpu = torch.cuda.is_available()
+        draft_place, target_place = place_draft_and_target(torch.cuda.device_count()) if on_gpu else \
+            (Placement(), Placement())
+        limits = ProfileLimits(int(self.limits["max_batch"]), int(self.limits["max_context"]),
+                               int(self.limits["max_draft_len"]), int(self.limits["max_tree_size"]))
+        dtype = getattr(torch, self.manifest["recipe"][role].get("dtype") or "float32")
+        return TorchDeviceEngine(model, limits, name=role, device="cuda" if on_gpu else "cpu", dtype=dtype,
+                                 placement=target_place if role == "target" else draft_place)
 
     # -- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | bytes, chat: bool = False) -> list[int]:

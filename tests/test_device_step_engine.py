@@ -114,3 +114,38 @@ def test_cuda_graph_engine_matches_the_cpu_engine_and_stays_lossless():
                               name="draft", device="cuda")
     outputs = greedy_runs(gpu, draft, PROMPTS, new_tokens=24)
     assert outputs["sd"] == outputs["ar"] and outputs["ssd"] == outputs["ar"]
+
+
+# ---- the runtime's torch backend ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_the_torch_backend_generates_exactly_what_onnx_runtime_does(tiny_pairs, mode):
+    from ssd_trt.runtime import RuntimeOptions
+    params = SamplingParams(max_new_tokens=12, stop_on_eos=False)
+    prompts = PROMPTS[:2]
+    reference = [r.token_ids for r in ssd_trt.load(tiny_pairs["perturbed"]).generate_ids(prompts, params, mode="ar")]
+    gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(backend="torch"))
+    assert gen.backend("target") == "torch"
+    assert isinstance(gen.engine("target"), TorchDeviceEngine)
+    assert [r.token_ids for r in gen.generate_ids(prompts, params, mode=mode)] == reference
+
+
+def test_the_torch_backend_refuses_a_source_that_changed_or_vanished(tiny_pairs, tmp_path):
+    import json
+    import shutil
+
+    from ssd_trt.errors import ArtifactError, RequestError
+    from ssd_trt.runtime import RuntimeOptions
+    build = tmp_path / "build"
+    shutil.copytree(tiny_pairs["perturbed"], build)
+    manifest = json.loads((build / "manifest.json").read_text())
+    manifest["models"]["target"]["source_sha256"] = "0" * 64
+    manifest["models"]["draft"]["source"] = str(tmp_path / "gone")
+    (build / "manifest.json").write_text(json.dumps(manifest))
+    gen = ssd_trt.load(build, RuntimeOptions(backend="torch"))
+    with pytest.raises(ArtifactError, match="target source .* changed since .* rebuild, or use the ort backend"):
+        gen.engine("target")
+    with pytest.raises(ArtifactError, match="reloads the draft weights .* not usable"):
+        gen.engine("draft")
+    with pytest.raises(RequestError, match="backend must be one of ort, trt, torch"):
+        RuntimeOptions(backend="cuda")
