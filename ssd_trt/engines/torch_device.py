@@ -4,9 +4,9 @@ This is the GPU runtime without TensorRT: the same :class:`~ssd_trt.engines.devi
 (static KV caches, CUDA-graph buckets, a stream per engine) that the TensorRT engine uses, with
 the step enqueued by the :class:`~ssd_trt.models.decoder.Decoder` that the exporters trace, its
 ``ssd::tree_attention`` replaced by the Triton kernel that the TensorRT plugin compiles ahead of time
-(``plugins/tree_attention/triton_kernel.py``, ``inplace=True``). It is what ``scripts/gpu_check.py``
-runs the decoding strategies with on a GPU, and what the tests run on CPU (the kernel then runs in
-the Triton interpreter, every step eagerly).
+(``plugins/tree_attention/triton_kernel.py``, ``inplace=True``). It is the runtime's ``torch`` backend
+(``generate --backend torch``), what ``scripts/gpu_runtime_check.py`` checks on a GPU, and what the
+tests run on CPU (the kernel then runs in the Triton interpreter, every step eagerly).
 """
 from __future__ import annotations
 

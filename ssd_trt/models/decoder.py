@@ -19,6 +19,7 @@ from ssd_trt.models.tree_attention_op import tree_attention
 # (query, key_new, value_new, key_cache, value_cache, cache_lengths, tree_mask, scale) -> (out, key_cache, value_cache)
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

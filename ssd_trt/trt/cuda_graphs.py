@@ -5,7 +5,7 @@ the per-step launch overhead that dominates decode steps of a few tokens. The ru
 graph per *bucket* (batch, T): for the exact-T profiles (decode, verify) and for the small T ranges
 (the draft's tree steps, T <= ``GRAPH_MAX_TOKENS``: powers of two and the maximum); prefill runs
 eagerly. Measured on an H200 (docs/tensorrt.md): a graph-replayed step of a 135M-parameter model
-costs 0.4-3 ms where the eager step costs 3-17 ms. A step may be padded up to a larger bucket:
+costs 0.4-3 ms where the eager step costs 3-40 ms. A step may be padded up to a larger bucket:
 
 * extra batch rows are dummy rows (length 0, identity mask) of the runtime's max_batch cache buffers,
   which no live sequence uses;
