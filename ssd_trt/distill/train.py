@@ -203,8 +203,10 @@ def train(model: DraftModel, train_s: list[Sample], held: list[Sample], c: Train
         opt.step()
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr_at(step - 1, c):.1e}")
-        history.append({"step": step, "loss": float(loss)}) if step % 10 == 0 else None
+        loss_value = loss.item()
+        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr_at(step - 1, c):.1e}")
+        if step % 10 == 0:
+            history.append({"step": step, "loss": loss_value})
         if step % c.ckpt_every == 0 or step == c.steps:
             ev = heldout_agreement(model, held, sub_index, c) if held else {"agree": 0.0, "loss": float("nan")}
             ev.update(step=step, minutes=(time.time() - t0) / 60)
