@@ -29,7 +29,7 @@ from ssd_trt.engines.copy_mixture import CopyMixture
 
 from .model import DraftModel
 from .prompts import Prompt
-from .teacher import encode_prompt, generate_batch
+from .teacher import cached_forward, encode_prompt, generate_batch
 
 
 def load_prompt_file(path: Path) -> list[tuple[str, Prompt]]:
@@ -126,8 +126,7 @@ def cost_report(target, draft: DraftModel) -> dict:
     d_macs = draft.macs_per_token()
 
     def tstep(ids, cache):
-        o = target(input_ids=ids, past_key_values=cache, use_cache=True)
-        return o.past_key_values
+        return cached_forward(target, input_ids=ids, cache=cache)[1]
 
     def dstep(ids, cache):
         cache = cache if cache is not None else [[] for _ in draft.model.layers]

@@ -9,6 +9,7 @@ all of the probability mass of a 135M instruct model): that is what the KL loss 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,18 @@ import torch
 from tqdm import tqdm
 
 from .prompts import Prompt
+
+
+def cached_forward(model, **inputs):
+    """``model(**inputs, <kv cache>=cache)`` -> (output, its cache), across transformers versions.
+
+    transformers 5 renamed the KV-cache argument and output field ``past_key_values`` -> ``cache``
+    (the old names are deprecated, removal announced for 5.40); 4.x only knows the old ones.
+    """
+    cache = inputs.pop("cache", None)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(**inputs, **{name: cache}, use_cache=True)
+    return out, out.cache if "cache" in out else out.past_key_values
 
 EMBEDDED_TARGET = "smollm2-135m"
 
@@ -105,8 +118,7 @@ def generate_batch(model, ids_list: list[list[int]], max_new: int, eos_ids: set[
         inp[i, L - len(x):] = torch.tensor(x)
         mask[i, L - len(x):] = 1
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache = out.past_key_values
+    out, cache = cached_forward(model, input_ids=inp, attention_mask=mask, position_ids=pos)
     logits = out.logits.float()
     tv, ti = logits.topk(k, dim=-1)
     rec_ids = [ti[i, L - len(x):].to(torch.int32) for i, x in enumerate(ids_list)]
@@ -131,9 +143,8 @@ def generate_batch(model, ids_list: list[list[int]], max_new: int, eos_ids: set[
             break
         mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], 1)
         next_pos = next_pos + 1
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out, cache = cached_forward(model, input_ids=nxt[:, None], attention_mask=mask,
+                                    position_ids=next_pos[:, None], cache=cache)
         last = out.logits[:, -1].float()
         tv, ti = last.topk(k, dim=-1)
         step_ids.append(ti.to(torch.int32))
