@@ -94,27 +94,25 @@ class DeviceStepEngine:
         self._device = device
         self._logits_dtype = logits_dtype
         on_gpu = device.type == "cuda"
-        with self._on_device():
-            self._stream = torch.cuda.Stream(device, priority=stream_priority) if on_gpu else None
-            shape = (spec.max_batch, spec.num_kv_heads, spec.max_context, spec.head_dim)
-            self.caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
-                            torch.zeros(shape, dtype=cache_dtype, device=device))
-                           for _ in range(spec.num_layers)]
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-                if on_gpu else None
+        self._stream = torch.cuda.Stream(device, priority=stream_priority) if on_gpu else None
+        shape = (spec.max_batch, spec.num_kv_heads, spec.max_context, spec.head_dim)
+        self.caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
+                        torch.zeros(shape, dtype=cache_dtype, device=device))
+                       for _ in range(spec.num_layers)]
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if on_gpu else None
         self._buckets = plan_buckets(profiles) if (use_cuda_graphs and on_gpu) else ()
         self._graphs: dict[GraphBucket, tuple[StepGraph, StepBuffers]] = {}
         self._lengths = np.zeros(0, dtype=np.int32)
         self.last_step_ms = 0.0
 
     def _on_device(self):
-        """Make this engine's device (and stream, once made) current; nothing to do on CPU."""
-        if self._device.type != "cuda":
+        """Make this engine's device and stream current; nothing to do on CPU."""
+        if self._stream is None:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self._device))
-        if getattr(self, "_stream", None) is not None:
-            stack.enter_context(torch.cuda.stream(self._stream))
+        stack.enter_context(torch.cuda.stream(self._stream))
         return stack
 
     @property
