@@ -8,6 +8,7 @@ all of the probability mass of a 135M instruct model): that is what the KL loss 
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import random
@@ -27,9 +28,14 @@ def cached_forward(model, **inputs):
     (the old names are deprecated, removal announced for 5.40); 4.x only knows the old ones.
     """
     cache = inputs.pop("cache", None)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(**inputs, **{name: cache}, use_cache=True)
+    out = model(**inputs, **{_cache_argument(type(model)): cache}, use_cache=True)
     return out, out.cache if "cache" in out else out.past_key_values
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    """The KV-cache keyword of ``model_class.forward`` (looked up once per class, not per decode step)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 EMBEDDED_TARGET = "smollm2-135m"
 
