@@ -44,12 +44,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ssd_trt.decoding.autoregressive import generate_autoregressive  # noqa: E402
-from ssd_trt.decoding.batch import Sequences, feed_ragged  # noqa: E402
+from ssd_trt.decoding.batch import Sequences  # noqa: E402
 from ssd_trt.decoding.params import SamplingParams  # noqa: E402
 from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro  # noqa: E402
-from ssd_trt.decoding.speculative import generate_speculative, tree_mask_from_parents  # noqa: E402
+from ssd_trt.decoding.speculative import generate_speculative  # noqa: E402
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine  # noqa: E402
 from ssd_trt.engines.device_step import place_draft_and_target  # noqa: E402
+from ssd_trt.engines.step_script import step_script  # noqa: E402
 from ssd_trt.engines.torch_device import TorchDeviceEngine  # noqa: E402
 from ssd_trt.models.config import DecoderConfig  # noqa: E402
 from ssd_trt.models.decoder import Decoder  # noqa: E402
@@ -101,31 +102,8 @@ def parity(network: Decoder, device: str, prompts: list[list[int]], steps: int) 
     """The same step sequence on the GPU engine (graphs, Triton kernel) and on CPU (reference math)."""
     engines = {"gpu": TorchDeviceEngine(clone(network), LIMITS, name="gpu", device=device),
                "cpu": TorchDeviceEngine(clone(network), LIMITS, name="cpu", device="cpu", kernel="reference")}
-    logits: dict[str, list[np.ndarray]] = {name: [] for name in engines}
-    rows = prompts[:2]
-    for name, engine in engines.items():
-        engine.reset(len(rows))
-        out = feed_ragged(engine, rows)                              # ragged prefill (right-padded)
-        logits[name].append(out)
-        tokens = out.argmax(-1)[:, None]
-        for _ in range(steps):                                       # decode: B=2 x T=1 graph bucket
-            out = engine.forward(tokens, engine.lengths[:, None])
-            logits[name].append(out[:, -1])
-            tokens = out.argmax(-1)
-        positions = engine.lengths[:, None] + np.arange(3)
-        out = engine.forward(np.repeat(tokens, 3, axis=1), positions)  # verify: T=3 bucket
-        logits[name].append(out)
-        engine.rollback(engine.lengths - 2)
-        parents = [-1, 0, 0, 1, 2]                                    # tree step: padded to a bucket
-        mask = np.broadcast_to(tree_mask_from_parents(parents), (2, 5, 5))
-        depth = np.array([0, 1, 1, 2, 2])
-        out = engine.forward(np.tile([[17, 42, 99, 7, 13]], (2, 1)), engine.lengths[:, None] + depth, mask)
-        logits[name].append(out)
-        start = int(engine.lengths[0]) - 5
-        engine.keep(0, start, [0, 2, 4])
-        engine.rollback(np.array([start + 3, engine.lengths[1] - 5]))
-        out = engine.forward(np.array([[5], [6]]), engine.lengths[:, None])   # reads the kept path
-        logits[name].append(out[:, -1])
+    logits = {name: step_script(engine, prompts[:2], steps, verify_tokens=LIMITS.max_draft_len + 1)
+              for name, engine in engines.items()}
     gpu, cpu = (np.concatenate([x.reshape(-1) for x in logits[n]]) for n in ("gpu", "cpu"))
     finite = np.isfinite(cpu)
     argmax_agree = all(np.array_equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(logits["gpu"], logits["cpu"]))

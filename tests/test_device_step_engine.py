@@ -13,10 +13,11 @@ import torch
 
 import ssd_trt
 from ssd_trt.decoding.autoregressive import generate_autoregressive
-from ssd_trt.decoding.batch import Sequences, feed_ragged
+from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
-from ssd_trt.decoding.speculative import generate_speculative, tree_mask_from_parents
+from ssd_trt.decoding.speculative import generate_speculative
+from ssd_trt.engines.step_script import step_script
 from ssd_trt.engines.torch_device import TorchDeviceEngine
 from ssd_trt.trt.availability import probe_cuda
 from ssd_trt.trt.profiles import ProfileLimits
@@ -27,33 +28,10 @@ LIMITS = ProfileLimits(max_batch=4, max_context=128, max_draft_len=3, max_tree_s
 PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 3], [1, 42, 42, 42, 42, 8, 19]]
 
 
-def step_script(engine) -> list[np.ndarray]:
-    """Ragged prefill, greedy decodes, a verify step, rollback, a tree step, keep, and a step after it."""
-    engine.reset(2)
-    outputs = [feed_ragged(engine, PROMPTS[:2])]
-    tokens = outputs[-1].argmax(-1)[:, None]
-    for _ in range(3):
-        out = engine.forward(tokens, engine.lengths[:, None])
-        outputs.append(out)
-        tokens = out.argmax(-1)
-    outputs.append(engine.forward(np.repeat(tokens, 4, axis=1), engine.lengths[:, None] + np.arange(4)))
-    engine.rollback(engine.lengths - np.array([2, 3]))
-    parents = [-1, 0, 0, 1, 2]
-    mask = np.broadcast_to(tree_mask_from_parents(parents), (2, 5, 5))
-    outputs.append(engine.forward(np.tile([[17, 42, 99, 7, 13]], (2, 1)),
-                                  engine.lengths[:, None] + np.array([0, 1, 1, 2, 2]), mask))
-    start = int(engine.lengths[0]) - 5
-    engine.keep(0, start, [0, 2, 4])
-    engine.rollback(np.array([start + 3, engine.lengths[1] - 5]))
-    outputs.append(engine.forward(np.array([[5], [6]]), engine.lengths[:, None]))
-    assert engine.lengths.tolist() == [start + 4, engine.lengths[1]]
-    return outputs
-
-
 def test_step_script_matches_the_onnx_runtime_engine(tiny_pairs):
-    reference = step_script(ssd_trt.load(tiny_pairs["self"]).engine("target"))
+    reference = step_script(ssd_trt.load(tiny_pairs["self"]).engine("target"), PROMPTS[:2], 3, 4)
     engine = TorchDeviceEngine(random_decoder(tiny_config(), seed=0), LIMITS, device="cpu")  # the same target
-    for ours, theirs in zip(step_script(engine), reference):
+    for ours, theirs in zip(step_script(engine, PROMPTS[:2], 3, 4), reference):
         np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0)
     assert engine.last_step_ms > 0
 
@@ -107,7 +85,7 @@ def test_cuda_graph_engine_matches_the_cpu_engine_and_stays_lossless():
     model = random_decoder(tiny_config(), seed=0)
     gpu = TorchDeviceEngine(model, LIMITS, device="cuda")
     cpu = TorchDeviceEngine(random_decoder(tiny_config(), seed=0), LIMITS, device="cpu", kernel="reference")
-    for ours, theirs in zip(step_script(gpu), step_script(cpu)):
+    for ours, theirs in zip(step_script(gpu, PROMPTS[:2], 3, 4), step_script(cpu, PROMPTS[:2], 3, 4)):
         np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0)
     assert gpu.captured_buckets, "decode / verify / tree steps should replay CUDA graphs"
     draft = TorchDeviceEngine(perturbed(random_decoder(tiny_config(), seed=0), seed=1, amount=0.05), LIMITS,
