@@ -46,6 +46,9 @@ def test_synthesis_is_seeded_and_resumes_exactly(smollm2, tmp_path):
     assert [r["batch"] for r in rows] == sorted(r["batch"] for r in rows)
     other = synthesize_prompts(model, tok, 6, tmp_path / "c.jsonl", seed=4, batch=4, max_new=48)
     assert other != fresh
+    steered = synthesize_prompts(model, tok, 4, tmp_path / "d.jsonl", seed=3, batch=4, max_new=48,
+                                 openers=[("chat", "Explain", 1.0)])
+    assert all(p.text.startswith("Explain") and p.kind == "chat" for p in steered)
 
 
 def test_derived_prompts_reuse_answers(smollm2):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
@@ -49,10 +50,12 @@ def user_turn_prefix(tok) -> str:
 
 
 def synthesize_prompts(model, tok, n: int, path: Path, *, seed: int = 0, batch: int = 32, max_new: int = 80,
-                       temperature: float = 1.0) -> list[Prompt]:
+                       temperature: float = 1.0,
+                       openers: Sequence[tuple[str, str, float]] = tuple(OPENERS)) -> list[Prompt]:
     """``n`` user prompts sampled from the target, cached in ``path`` (JSONL, one batch appended at
     a time, so an interrupted run resumes; batch b is seeded by (seed, b) and reproduces exactly).
 
+    Each turn starts with an opener drawn from ``openers`` ((kind, text, weight) triples).
     A turn is kept when the target closed it (end-of-turn token) and it has 4..150 words;
     batches are drawn until ``n`` are kept.
     """
@@ -66,13 +69,13 @@ def synthesize_prompts(model, tok, n: int, path: Path, *, seed: int = 0, batch: 
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     kept = [d for d in done if d["text"] is not None]
     b = len({d["batch"] for d in done})
-    kinds, openers, weights = zip(*OPENERS)
+    kinds, starts, weights = zip(*openers)
     bar = tqdm(total=n, initial=min(len(kept), n), desc="self-synthesised prompts", leave=False)
     while len(kept) < n:
         rng = random.Random(seed * 1_000_003 + b)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + b)
-        picks = [rng.choices(range(len(OPENERS)), weights)[0] for _ in range(batch)]
-        ids = [prefix + tok(openers[i], add_special_tokens=False)["input_ids"] for i in picks]
+        picks = [rng.choices(range(len(starts)), weights)[0] for _ in range(batch)]
+        ids = [prefix + tok(starts[i], add_special_tokens=False)["input_ids"] for i in picks]
         res = generate_batch(model, ids, max_new, {end_turn}, True, temperature, 1, gen)
         rows = []
         for i, x, (out, _, _) in zip(picks, ids, res):
@@ -80,7 +83,7 @@ def synthesize_prompts(model, tok, n: int, path: Path, *, seed: int = 0, batch: 
             # the turn was closed, so look one past: closed turns stop before max_new.
             new = out[len(x):]
             closed = len(new) < max_new - 1
-            text = (openers[i] + tok.decode(new, skip_special_tokens=True)).strip()
+            text = (starts[i] + tok.decode(new, skip_special_tokens=True)).strip()
             ok = closed and 4 <= len(text.split()) <= 150
             rows.append({"batch": b, "kind": kinds[i], "text": text if ok else None})
         with path.open("a") as f:

@@ -1,0 +1,262 @@
+"""Pilots of ways to raise the shipped draft's greedy agreement (model card, "Levers measured").
+
+Each pilot is short (minutes on 2 cores) and compares against a baseline run the same way:
+
+  data      the target writes N user prompts (magpie.py), answers them greedily and answers N/3
+            prompts derived from its answers; top-32 teacher labels        -> DATA/teacher_*/
+            --openers instruct steers the chat turns with generic instruction openers
+  finetune  the shipped draft, 200 steps on DATA with one of four losses   -> OUT/ (a draft dir)
+            soft: KL to the top-32 labels (the training loss) | hard: argmax labels |
+            sharp: the teacher at temperature 0.5 | copy: the copy mixture q' inside the loss
+  evaluate  greedy agreement of a draft dir on the benchmark prompts, network alone and with the
+            shipped copy weights (the target's continuations are cached in --cache)
+  datastore retrieval from the target's answers in DATA (REST-style): how often the most frequent
+            follower of the longest suffix found there is right where the draft is wrong, and the
+            best gate's agreement (fitted on the benchmark itself: an upper bound)
+
+  python scripts/draft_lever_pilots.py data --out runs/pilots/a --seed 0
+  python scripts/draft_lever_pilots.py finetune --data runs/pilots/a --loss soft --out runs/pilots/ft_soft
+  python scripts/draft_lever_pilots.py evaluate --draft runs/pilots/ft_soft
+  python scripts/draft_lever_pilots.py datastore --data runs/pilots/a
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ssd_trt.decoding.backup import longest_match  # noqa: E402
+from ssd_trt.distill import magpie  # noqa: E402
+from ssd_trt.distill.copy_fit import read_copy_mixture  # noqa: E402
+from ssd_trt.distill.evaluate import load_prompt_file, target_continuations  # noqa: E402
+from ssd_trt.distill.model import DraftModel, load_draft, save_draft  # noqa: E402
+from ssd_trt.distill.teacher import Sample, label_prompts, load_samples, load_target  # noqa: E402
+from ssd_trt.distill.train import TrainConfig, lr_at, make_batch, make_optimizer, split_samples  # noqa: E402
+
+SHIPPED = ROOT / "recipes" / "drafts" / "smollm2-135m-draft"
+BENCH = ROOT / "ssd_trt" / "bench" / "prompts" / "default.jsonl"
+INSTRUCTION_OPENERS = ["Explain", "Write", "What are", "How can I", "Give me", "Describe", "List", "Compare",
+                       "Why do", "Suggest", "Can you help me", "I want to", "I need", "Create", "Tell me about",
+                       "How does", "What is the difference between", "Help me", "Rewrite", "What should I",
+                       "Plan", "Teach me"]
+MAX_NGRAM = 8
+
+
+def pilot_data(out: Path, n: int, seed: int, openers: str) -> None:
+    target, tok = load_target("smollm2-135m", torch.bfloat16)
+    mix = list(magpie.OPENERS)
+    temperature = 1.0
+    if openers == "instruct":   # 60% generic instruction openers, 10% free, code/math as in training
+        mix = ([("chat", o, 0.6 / len(INSTRUCTION_OPENERS)) for o in INSTRUCTION_OPENERS] + [("chat", "", 0.1)]
+               + [entry for entry in magpie.OPENERS if entry[0] != "chat"])
+        temperature = 0.8
+    own = magpie.synthesize_prompts(target, tok, n, out / "magpie_prompts.jsonl", seed=seed,
+                                    temperature=temperature, openers=mix)
+    shards = label_prompts(target, tok, own, out / "teacher_magpie", sample_frac=0.0, seed=1)
+    derived = magpie.derived_prompts(tok, load_samples(shards), n // 3, 0)
+    label_prompts(target, tok, derived, out / "teacher_derived", sample_frac=0.0, seed=2)
+
+
+def data_samples(data: Path) -> list[Sample]:
+    return load_samples(sorted((data / "teacher_magpie").glob("shard_*.pt"))
+                        + sorted((data / "teacher_derived").glob("shard_*.pt")))
+
+
+def copy_targets(samples: list[Sample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample and position t: the copy follower of ids[:t+1] (-1: none) and its shipped weight lam_n."""
+    weights = read_copy_mixture(SHIPPED).weights
+    out = []
+    for s in tqdm(samples, desc="copy followers"):
+        ids = s.ids.numpy().astype(np.int64)
+        follower, lam = np.full(len(ids), -1), np.zeros(len(ids), np.float32)
+        for t in range(max(s.n_prompt - 1, 1), len(ids)):
+            match = longest_match(ids[:t + 1], MAX_NGRAM)
+            if match is not None:
+                follower[t], lam[t] = match[0], weights[match[1] - 1]
+        out.append((torch.from_numpy(follower), torch.from_numpy(lam)))
+    return out
+
+
+def pilot_loss(loss: str, logits: torch.Tensor, tid: torch.Tensor, tlog: torch.Tensor, mask: torch.Tensor,
+               weight: torch.Tensor, follower_slot: torch.Tensor | None, lam: torch.Tensor | None) -> torch.Tensor:
+    """Cross-entropy of the teacher's top-k distribution p (restricted to the head) against q, or against
+    q' = (1 - lam) q + lam [v = f] for ``copy`` (f's head slot: ``follower_slot``, -1 when none)."""
+    valid = tid >= 0
+    if loss == "hard":
+        valid = valid & (torch.arange(tid.shape[-1]) == 0)
+    scale = 0.5 if loss == "sharp" else 1.0
+    p = torch.nan_to_num(torch.softmax((tlog / scale).masked_fill(~valid, float("-inf")), -1))
+    logq = torch.log_softmax(logits.float(), -1).gather(-1, tid.clamp(min=0))
+    if loss == "copy":
+        logq = torch.log1p(-lam)[..., None] + logq
+        is_follower = (tid == follower_slot[..., None]) & (follower_slot[..., None] >= 0)
+        logq = torch.where(is_follower, torch.logaddexp(logq, torch.log(lam.clamp(min=1e-9))[..., None]), logq)
+    per_position = -(p * logq.masked_fill(~valid, 0.0)).sum(-1)
+    m = (mask & valid.any(-1)).float() * weight
+    return (per_position * m).sum() / m.sum().clamp(min=1e-6)
+
+
+def finetune(data: Path, loss: str, out: Path, steps: int, lr: float) -> None:
+    train_s, _ = split_samples(data_samples(data))
+    draft = load_draft(SHIPPED)
+    vocab = draft.config.vocab_size
+    sub_index = torch.full((vocab,), -1, dtype=torch.long)
+    sub_index[draft.lm_head_token_ids] = torch.arange(len(draft.lm_head_token_ids))
+    copies = copy_targets(train_s) if loss == "copy" else None
+    c = TrainConfig(steps=steps, batch=16, lr=lr, warmup=20, bf16=True)
+    opt = make_optimizer(draft, c)
+    draft.train()
+    per_epoch = len(train_s) // c.batch
+    for step in tqdm(range(steps), desc=f"fine-tune ({loss})"):
+        epoch, j = divmod(step, per_epoch)       # the data order of train.train
+        perm = torch.randperm(len(train_s), generator=torch.Generator().manual_seed(c.seed * 7919 + epoch))
+        picked = [int(i) for i in perm[j * c.batch:(j + 1) * c.batch]]
+        ids, tid, tlog, mask, cont = make_batch([train_s[i] for i in picked], sub_index, c.max_len)
+        slot = lam = None
+        if copies is not None:
+            follower = torch.full(ids.shape, -1, dtype=torch.long)
+            lam = torch.zeros(ids.shape)
+            for row, i in enumerate(picked):
+                n = min(ids.shape[1], len(copies[i][0]))
+                follower[row, :n], lam[row, :n] = copies[i][0][:n], copies[i][1][:n]
+            slot = torch.where(follower >= 0, sub_index[follower.clamp(min=0)], -1)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, c)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = draft.head_logits(draft.hidden(ids))
+        value = pilot_loss(loss, logits, tid, tlog, mask, torch.where(cont, 1.0, c.prompt_weight), slot, lam)
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), c.clip)
+        opt.step()
+    save_draft(draft, out)
+
+
+def benchmark_positions(cache: Path) -> list[dict]:
+    """The target's greedy continuations of the benchmark prompts and its argmax at each position."""
+    if cache.exists():
+        return torch.load(cache, weights_only=False)
+    target, tok = load_target("smollm2-135m")
+    items = load_prompt_file(BENCH)
+    rows = []
+    with torch.inference_mode():
+        for (ids, n), (category, _) in zip(target_continuations(target, tok, [p for _, p in items], 64), items):
+            if len(ids) > n:
+                logits = target(input_ids=torch.tensor(ids)[None]).logits[0, n - 1:len(ids) - 1]
+                rows.append({"ids": ids, "n": n, "category": category, "target": logits.float().argmax(-1)})
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(rows, cache)
+    return rows
+
+
+@torch.inference_mode()
+def draft_choices(draft: DraftModel, rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(network argmax, network + shipped copy argmax) at every benchmark position."""
+    mixture = read_copy_mixture(SHIPPED)
+    out = []
+    for r in rows:
+        logits = draft.eval()(torch.tensor(r["ids"])[None])[0, r["n"] - 1:len(r["ids"]) - 1].float()
+        mixed = mixture.apply_teacher_forced(logits.numpy().copy(), r["ids"], r["n"] - 1)
+        out.append((logits.argmax(-1), torch.from_numpy(mixed).argmax(-1)))
+    return out
+
+
+def evaluate(draft_dir: Path, cache: Path) -> None:
+    rows = benchmark_positions(cache)
+    tally = collections.defaultdict(lambda: [0, 0, 0])
+    for r, (network, mixed) in zip(rows, draft_choices(load_draft(draft_dir), rows)):
+        for key in (r["category"], "all"):
+            t = tally[key]
+            t[0] += int((network == r["target"]).sum())
+            t[1] += int((mixed == r["target"]).sum())
+            t[2] += len(r["target"])
+    for key, (network, mixed, n) in sorted(tally.items()):
+        print(f"{key:14s} network {network / n:.4f}  network+copy {mixed / n:.4f}  ({n} positions)")
+
+
+def datastore(data: Path, cache: Path) -> None:
+    """Follower counts of every n-gram (n <= 8) in the target's answers; at each benchmark position the
+    most frequent follower g of the longest suffix found. Gate: use g when the match is >= n0 tokens,
+    g's share of the followers >= s0 and the draft's top probability < c0."""
+    table: list[dict] = [{} for _ in range(MAX_NGRAM + 1)]
+    answers = [s.ids[s.n_prompt:].tolist() for s in data_samples(data)]
+    for seq in answers:
+        for i in range(1, len(seq)):
+            for n in range(1, min(MAX_NGRAM, i) + 1):
+                table[n].setdefault(tuple(seq[i - n:i]), collections.Counter())[seq[i]] += 1
+    rows = benchmark_positions(cache)
+    draft = load_draft(SHIPPED).eval()
+    mixture = read_copy_mixture(SHIPPED)
+    base = total = 0
+    found = []    # (n, follower share, draft top probability, g right, draft right)
+    with torch.inference_mode():
+        for r in rows:
+            logits = draft(torch.tensor(r["ids"])[None])[0, r["n"] - 1:len(r["ids"]) - 1].float()
+            q = torch.softmax(torch.from_numpy(mixture.apply_teacher_forced(logits.numpy().copy(), r["ids"], r["n"] - 1)), -1)
+            top, choice = q.max(-1)
+            for t, right_token in enumerate(r["target"].tolist()):
+                context = r["ids"][:r["n"] + t]
+                draft_right = int(choice[t]) == right_token
+                base += draft_right
+                total += 1
+                for n in range(min(MAX_NGRAM, len(context)), 0, -1):
+                    counts = table[n].get(tuple(context[-n:]))
+                    if counts:
+                        g, c = counts.most_common(1)[0]
+                        found.append((n, c / sum(counts.values()), float(top[t]), g == right_token, draft_right))
+                        break
+    oracle = (base + sum(g and not d for *_, g, d in found)) / total
+    best = (base / total, "never")
+    for n0 in range(1, MAX_NGRAM + 1):
+        for s0 in (0.0, 0.5, 0.7, 0.9):
+            for c0 in (1.01, 0.8, 0.6, 0.4, 0.3):
+                gain = sum(int(g) - int(d) for n, s, c, g, d in found if n >= n0 and s >= s0 and c < c0)
+                if (base + gain) / total > best[0]:
+                    best = ((base + gain) / total, f"n>={n0}, share>={s0}, draft top<{c0}")
+    print(f"store: {len(answers)} answers, {sum(map(len, answers))} tokens; benchmark positions {total}, "
+          f"a suffix found at {len(found)}")
+    print(f"draft+copy {base / total:.4f}; oracle (g or draft right) {oracle:.4f}; best gate {best[0]:.4f} ({best[1]})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("data")
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--prompts", type=int, default=1024)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--openers", choices=("training", "instruct"), default="training")
+    f = sub.add_parser("finetune")
+    f.add_argument("--data", type=Path, required=True)
+    f.add_argument("--loss", choices=("soft", "hard", "sharp", "copy"), required=True)
+    f.add_argument("--out", type=Path, required=True)
+    f.add_argument("--steps", type=int, default=200)
+    f.add_argument("--lr", type=float, default=3e-4)
+    e = sub.add_parser("evaluate")
+    e.add_argument("--draft", type=Path, default=SHIPPED)
+    s = sub.add_parser("datastore")
+    s.add_argument("--data", type=Path, required=True)
+    for p in (e, s):
+        p.add_argument("--cache", type=Path, default=ROOT / "runs" / "pilots" / "benchmark_positions.pt")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    if a.command == "data":
+        pilot_data(a.out, a.prompts, a.seed, a.openers)
+    elif a.command == "finetune":
+        finetune(a.data, a.loss, a.out, a.steps, a.lr)
+    elif a.command == "evaluate":
+        evaluate(a.draft, a.cache)
+    else:
+        datastore(a.data, a.cache)
+
+
+if __name__ == "__main__":
+    main()

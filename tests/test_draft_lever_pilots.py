@@ -1,0 +1,71 @@
+"""The loss variants of scripts/draft_lever_pilots.py are the ones the model card describes."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from ssd_trt.distill.train import kd_loss
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_lever_pilots.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("draft_lever_pilots", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 5, 12, generator=g)
+    tid = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(10)]).view(2, 5, 4)
+    tid[0, 1, 2] = -1                                    # a teacher token outside the head
+    tlog = torch.sort(torch.randn(2, 5, 4, generator=g) * 3, dim=-1, descending=True).values
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, :2] = False
+    weight = torch.where(torch.arange(5) < 2, 0.5, 1.0).expand(2, 5)
+    return logits, tid, tlog, mask, weight
+
+
+def test_soft_is_the_training_loss_and_copy_without_weight_is_soft():
+    pilots = load_script()
+    logits, tid, tlog, mask, weight = batch()
+    soft = pilots.pilot_loss("soft", logits, tid, tlog, mask, weight, None, None)
+    torch.testing.assert_close(soft, kd_loss(logits, tid, tlog, mask, weight))
+    follower = tid[..., 1].clone()
+    no_copy = pilots.pilot_loss("copy", logits, tid, tlog, mask, weight, follower, torch.zeros(2, 5))
+    torch.testing.assert_close(no_copy, soft)
+
+
+def test_hard_is_cross_entropy_on_the_argmax_and_sharp_is_the_teacher_at_half_temperature():
+    pilots = load_script()
+    logits, tid, tlog, mask, weight = batch(1)
+    hard = pilots.pilot_loss("hard", logits, tid, tlog, mask, weight, None, None)
+    logq = torch.log_softmax(logits, -1).gather(-1, tid[..., :1].clamp(min=0))[..., 0]
+    m = mask.float() * weight
+    torch.testing.assert_close(hard, -(logq * m).sum() / m.sum())
+    sharp = pilots.pilot_loss("sharp", logits, tid, tlog, mask, weight, None, None)
+    torch.testing.assert_close(sharp, kd_loss(logits, tid, tlog / 0.5, mask, weight))
+    assert not torch.isclose(sharp, hard) and not torch.isclose(sharp, kd_loss(logits, tid, tlog, mask, weight))
+
+
+def test_copy_credits_the_follower_with_its_weight():
+    pilots = load_script()
+    logits, tid, tlog, mask, weight = batch(2)
+    # the follower is the teacher's argmax at every position: mixing it in must lower the loss
+    lam = torch.full((2, 5), 0.3)
+    soft = pilots.pilot_loss("soft", logits, tid, tlog, mask, weight, None, None)
+    right = pilots.pilot_loss("copy", logits, tid, tlog, mask, weight, tid[..., 0].clamp(min=0), lam)
+    assert right < soft
+    # one position by hand: q'(v) = 0.7 q(v) + 0.3 [v == f]
+    one = torch.ones(1, 1, dtype=torch.bool)
+    q = torch.softmax(logits[0, 3], -1)
+    p = torch.softmax(tlog[0, 3], -1)
+    mixed = 0.7 * q[tid[0, 3]] + 0.3 * (tid[0, 3] == tid[0, 3, 0]).float()
+    expect = -(p * mixed.log()).sum()
+    got = pilots.pilot_loss("copy", logits[:1, 3:4], tid[:1, 3:4], tlog[:1, 3:4], one, torch.ones(1, 1),
+                            tid[:1, 3:4, 0], torch.full((1, 1), 0.3))
+    torch.testing.assert_close(got, expect)
