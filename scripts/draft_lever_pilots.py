@@ -8,6 +8,8 @@ Each pilot is short (minutes on 2 cores) and compares against a baseline run the
   finetune  the shipped draft, 200 steps on DATA with one of four losses   -> OUT/ (a draft dir)
             soft: KL to the top-32 labels (the training loss) | hard: argmax labels |
             sharp: the teacher at temperature 0.5 | copy: the copy mixture q' inside the loss
+            --layers 10 first deepens it: a new layer after each shipped one, its output projections
+            zero, so the grown draft starts as exactly the shipped function
   evaluate  greedy agreement of a draft dir on the benchmark prompts, network alone and with the
             shipped copy weights (the target's continuations are cached in --cache)
   datastore retrieval from the target's answers in DATA (REST-style): how often the most frequent
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -104,9 +107,31 @@ def pilot_loss(loss: str, logits: torch.Tensor, tid: torch.Tensor, tlog: torch.T
     return (per_position * m).sum() / m.sum().clamp(min=1e-6)
 
 
-def finetune(data: Path, loss: str, out: Path, steps: int, lr: float) -> None:
+def grown(draft: DraftModel, layers: int) -> DraftModel:
+    """``draft`` with new layers interleaved (evenly) whose attention and MLP outputs are zero-initialised:
+    each adds nothing to the residual stream until training moves it, so the function is unchanged."""
+    old = len(draft.model.layers)
+    if layers % old:
+        raise ValueError(f"--layers must be a multiple of the shipped draft's {old} layers, got {layers}")
+    bigger = DraftModel(replace(draft.config, num_hidden_layers=layers), draft.lm_head_token_ids)
+    bigger.model.embed_tokens.load_state_dict(draft.model.embed_tokens.state_dict())
+    bigger.model.norm.load_state_dict(draft.model.norm.state_dict())
+    bigger.lm_head.load_state_dict(draft.lm_head.state_dict())
+    per = layers // old
+    for i, layer in enumerate(bigger.model.layers):
+        if i % per == 0:
+            layer.load_state_dict(draft.model.layers[i // per].state_dict())
+        else:
+            torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+            torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    return bigger
+
+
+def finetune(data: Path, loss: str, out: Path, steps: int, lr: float, layers: int | None = None) -> None:
     train_s, _ = split_samples(data_samples(data))
     draft = load_draft(SHIPPED)
+    if layers is not None:
+        draft = grown(draft, layers)
     vocab = draft.config.vocab_size
     sub_index = torch.full((vocab,), -1, dtype=torch.long)
     sub_index[draft.lm_head_token_ids] = torch.arange(len(draft.lm_head_token_ids))
@@ -240,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--out", type=Path, required=True)
     f.add_argument("--steps", type=int, default=200)
     f.add_argument("--lr", type=float, default=3e-4)
+    f.add_argument("--layers", type=int, default=None, help="deepen the shipped draft to this many layers first")
     e = sub.add_parser("evaluate")
     e.add_argument("--draft", type=Path, default=SHIPPED)
     s = sub.add_parser("datastore")
@@ -251,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.command == "data":
         pilot_data(a.out, a.prompts, a.seed, a.openers)
     elif a.command == "finetune":
-        finetune(a.data, a.loss, a.out, a.steps, a.lr)
+        finetune(a.data, a.loss, a.out, a.steps, a.lr, a.layers)
     elif a.command == "evaluate":
         evaluate(a.draft, a.cache)
     else:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
+from ssd_trt.distill.model import DraftConfig, DraftModel
 from ssd_trt.distill.train import kd_loss
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_lever_pilots.py"
@@ -69,3 +71,22 @@ def test_copy_credits_the_follower_with_its_weight():
     got = pilots.pilot_loss("copy", logits[:1, 3:4], tid[:1, 3:4], tlog[:1, 3:4], one, torch.ones(1, 1),
                             tid[:1, 3:4, 0], torch.full((1, 1), 0.3))
     torch.testing.assert_close(got, expect)
+
+
+def test_a_grown_draft_starts_as_the_same_function():
+    pilots = load_script()
+    torch.manual_seed(0)
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=100,
+                      bos_token_id=1, eos_token_id=2)
+    small = DraftModel(cfg, torch.arange(0, 100, 3)).eval()
+    big = pilots.grown(small, 4).eval()
+    assert len(big.model.layers) == 4
+    x = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        a, b = small(x), big(x)
+    finite = torch.isfinite(a)
+    assert torch.equal(finite, torch.isfinite(b))
+    torch.testing.assert_close(a[finite], b[finite], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple"):
+        pilots.grown(small, 3)
