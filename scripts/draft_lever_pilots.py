@@ -11,7 +11,8 @@ Each pilot is short (minutes on 2 cores) and compares against a baseline run the
             --layers 10 first deepens it: a new layer after each shipped one, its output projections
             zero, so the grown draft starts as exactly the shipped function
   evaluate  greedy agreement of a draft dir on the benchmark prompts, network alone and with the
-            shipped copy weights (the target's continuations are cached in --cache)
+            shipped copy weights (the target's continuations are cached in --cache); with --on-data DATA,
+            on every third of DATA's own sequences instead (the stored bf16 teacher argmax)
   datastore retrieval from the target's answers in DATA (REST-style): how often the most frequent
             follower of the longest suffix found there is right where the draft is wrong, and the
             best gate's agreement (fitted on the benchmark itself: an upper bound)
@@ -194,8 +195,18 @@ def draft_choices(draft: DraftModel, rows: list[dict]) -> list[tuple[torch.Tenso
     return out
 
 
-def evaluate(draft_dir: Path, cache: Path) -> None:
-    rows = benchmark_positions(cache)
+def data_positions(data: Path) -> list[dict]:
+    """Every third sequence of a pilot data set, in the benchmark rows' form (the stored teacher argmax)."""
+    rows = []
+    for s in data_samples(data)[::3]:
+        if len(s.ids) > s.n_prompt:
+            rows.append({"ids": s.ids.tolist(), "n": s.n_prompt, "category": s.kind,
+                         "target": s.topk_ids[s.n_prompt - 1:len(s.ids) - 1, 0].long()})
+    return rows
+
+
+def evaluate(draft_dir: Path, cache: Path, on_data: Path | None = None) -> None:
+    rows = benchmark_positions(cache) if on_data is None else data_positions(on_data)
     tally = collections.defaultdict(lambda: [0, 0, 0])
     for r, (network, mixed) in zip(rows, draft_choices(load_draft(draft_dir), rows)):
         for key in (r["category"], "all"):
@@ -268,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--layers", type=int, default=None, help="deepen the shipped draft to this many layers first")
     e = sub.add_parser("evaluate")
     e.add_argument("--draft", type=Path, default=SHIPPED)
+    e.add_argument("--on-data", type=Path, default=None, help="a pilot data set instead of the benchmark prompts")
     s = sub.add_parser("datastore")
     s.add_argument("--data", type=Path, required=True)
     for p in (e, s):
@@ -279,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.command == "finetune":
         finetune(a.data, a.loss, a.out, a.steps, a.lr, a.layers)
     elif a.command == "evaluate":
-        evaluate(a.draft, a.cache)
+        evaluate(a.draft, a.cache, a.on_data)
     else:
         datastore(a.data, a.cache)
 
