@@ -29,6 +29,7 @@ import collections
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -43,7 +44,8 @@ from ssd_trt.distill.copy_fit import read_copy_mixture  # noqa: E402
 from ssd_trt.distill.evaluate import load_prompt_file, target_continuations  # noqa: E402
 from ssd_trt.distill.model import DraftModel, load_draft, save_draft  # noqa: E402
 from ssd_trt.distill.teacher import Sample, label_prompts, load_samples, load_target  # noqa: E402
-from ssd_trt.distill.train import TrainConfig, lr_at, make_batch, make_optimizer, split_samples  # noqa: E402
+from ssd_trt.distill.train import (TrainConfig, batch_indices, head_index, kd_loss, lr_at,  # noqa: E402
+                                  make_batch, make_optimizer, split_samples)
 
 SHIPPED = ROOT / "recipes" / "drafts" / "smollm2-135m-draft"
 BENCH = ROOT / "ssd_trt" / "bench" / "prompts" / "default.jsonl"
@@ -91,18 +93,20 @@ def copy_targets(samples: list[Sample]) -> list[tuple[torch.Tensor, torch.Tensor
 
 def pilot_loss(loss: str, logits: torch.Tensor, tid: torch.Tensor, tlog: torch.Tensor, mask: torch.Tensor,
                weight: torch.Tensor, follower_slot: torch.Tensor | None, lam: torch.Tensor | None) -> torch.Tensor:
-    """Cross-entropy of the teacher's top-k distribution p (restricted to the head) against q, or against
-    q' = (1 - lam) q + lam [v = f] for ``copy`` (f's head slot: ``follower_slot``, -1 when none)."""
-    valid = tid >= 0
+    """The training loss (``kd_loss``: cross-entropy of the teacher's top-k p, restricted to the head,
+    against q) on the teacher's top-k (soft), its argmax only (hard) or its logits at temperature 0.5
+    (sharp); for ``copy``, against q' = (1 - lam) q + lam [v = f] (f's head slot: ``follower_slot``, -1: none)."""
+    if loss == "soft":
+        return kd_loss(logits, tid, tlog, mask, weight)
     if loss == "hard":
-        valid = valid & (torch.arange(tid.shape[-1]) == 0)
-    scale = 0.5 if loss == "sharp" else 1.0
-    p = torch.nan_to_num(torch.softmax((tlog / scale).masked_fill(~valid, float("-inf")), -1))
-    logq = torch.log_softmax(logits.float(), -1).gather(-1, tid.clamp(min=0))
-    if loss == "copy":
-        logq = torch.log1p(-lam)[..., None] + logq
-        is_follower = (tid == follower_slot[..., None]) & (follower_slot[..., None] >= 0)
-        logq = torch.where(is_follower, torch.logaddexp(logq, torch.log(lam.clamp(min=1e-9))[..., None]), logq)
+        return kd_loss(logits, tid[..., :1], tlog[..., :1], mask, weight)
+    if loss == "sharp":
+        return kd_loss(logits, tid, tlog / 0.5, mask, weight)
+    valid = tid >= 0
+    p = torch.nan_to_num(torch.softmax(tlog.masked_fill(~valid, float("-inf")), -1))
+    logq = torch.log1p(-lam)[..., None] + torch.log_softmax(logits.float(), -1).gather(-1, tid.clamp(min=0))
+    is_follower = (tid == follower_slot[..., None]) & (follower_slot[..., None] >= 0)
+    logq = torch.where(is_follower, torch.logaddexp(logq, torch.log(lam.clamp(min=1e-9))[..., None]), logq)
     per_position = -(p * logq.masked_fill(~valid, 0.0)).sum(-1)
     m = (mask & valid.any(-1)).float() * weight
     return (per_position * m).sum() / m.sum().clamp(min=1e-6)
@@ -133,18 +137,13 @@ def finetune(data: Path, loss: str, out: Path, steps: int, lr: float, layers: in
     draft = load_draft(SHIPPED)
     if layers is not None:
         draft = grown(draft, layers)
-    vocab = draft.config.vocab_size
-    sub_index = torch.full((vocab,), -1, dtype=torch.long)
-    sub_index[draft.lm_head_token_ids] = torch.arange(len(draft.lm_head_token_ids))
+    sub_index = head_index(draft)
     copies = copy_targets(train_s) if loss == "copy" else None
     c = TrainConfig(steps=steps, batch=16, lr=lr, warmup=20, bf16=True)
     opt = make_optimizer(draft, c)
     draft.train()
-    per_epoch = len(train_s) // c.batch
     for step in tqdm(range(steps), desc=f"fine-tune ({loss})"):
-        epoch, j = divmod(step, per_epoch)       # the data order of train.train
-        perm = torch.randperm(len(train_s), generator=torch.Generator().manual_seed(c.seed * 7919 + epoch))
-        picked = [int(i) for i in perm[j * c.batch:(j + 1) * c.batch]]
+        picked = batch_indices(step, len(train_s), c)
         ids, tid, tlog, mask, cont = make_batch([train_s[i] for i in picked], sub_index, c.max_len)
         slot = lam = None
         if copies is not None:
@@ -183,16 +182,15 @@ def benchmark_positions(cache: Path) -> list[dict]:
     return rows
 
 
-@torch.inference_mode()
-def draft_choices(draft: DraftModel, rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(network argmax, network + shipped copy argmax) at every benchmark position."""
+def draft_logits(draft: DraftModel, rows: list[dict]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(network logits, network + shipped copy logits) [positions, V] of each row, one row at a time."""
     mixture = read_copy_mixture(SHIPPED)
-    out = []
+    draft.eval()
     for r in rows:
-        logits = draft.eval()(torch.tensor(r["ids"])[None])[0, r["n"] - 1:len(r["ids"]) - 1].float()
+        with torch.inference_mode():
+            logits = draft(torch.tensor(r["ids"])[None])[0, r["n"] - 1:len(r["ids"]) - 1].float()
         mixed = mixture.apply_teacher_forced(logits.numpy().copy(), r["ids"], r["n"] - 1)
-        out.append((logits.argmax(-1), torch.from_numpy(mixed).argmax(-1)))
-    return out
+        yield logits, torch.from_numpy(mixed)
 
 
 def data_positions(data: Path) -> list[dict]:
@@ -208,11 +206,11 @@ def data_positions(data: Path) -> list[dict]:
 def evaluate(draft_dir: Path, cache: Path, on_data: Path | None = None) -> None:
     rows = benchmark_positions(cache) if on_data is None else data_positions(on_data)
     tally = collections.defaultdict(lambda: [0, 0, 0])
-    for r, (network, mixed) in zip(rows, draft_choices(load_draft(draft_dir), rows)):
+    for r, (network, mixed) in zip(rows, draft_logits(load_draft(draft_dir), rows)):
         for key in (r["category"], "all"):
             t = tally[key]
-            t[0] += int((network == r["target"]).sum())
-            t[1] += int((mixed == r["target"]).sum())
+            t[0] += int((network.argmax(-1) == r["target"]).sum())
+            t[1] += int((mixed.argmax(-1) == r["target"]).sum())
             t[2] += len(r["target"])
     for key, (network, mixed, n) in sorted(tally.items()):
         print(f"{key:14s} network {network / n:.4f}  network+copy {mixed / n:.4f}  ({n} positions)")
@@ -229,26 +227,21 @@ def datastore(data: Path, cache: Path) -> None:
             for n in range(1, min(MAX_NGRAM, i) + 1):
                 table[n].setdefault(tuple(seq[i - n:i]), collections.Counter())[seq[i]] += 1
     rows = benchmark_positions(cache)
-    draft = load_draft(SHIPPED).eval()
-    mixture = read_copy_mixture(SHIPPED)
     base = total = 0
     found = []    # (n, follower share, draft top probability, g right, draft right)
-    with torch.inference_mode():
-        for r in rows:
-            logits = draft(torch.tensor(r["ids"])[None])[0, r["n"] - 1:len(r["ids"]) - 1].float()
-            q = torch.softmax(torch.from_numpy(mixture.apply_teacher_forced(logits.numpy().copy(), r["ids"], r["n"] - 1)), -1)
-            top, choice = q.max(-1)
-            for t, right_token in enumerate(r["target"].tolist()):
-                context = r["ids"][:r["n"] + t]
-                draft_right = int(choice[t]) == right_token
-                base += draft_right
-                total += 1
-                for n in range(min(MAX_NGRAM, len(context)), 0, -1):
-                    counts = table[n].get(tuple(context[-n:]))
-                    if counts:
-                        g, c = counts.most_common(1)[0]
-                        found.append((n, c / sum(counts.values()), float(top[t]), g == right_token, draft_right))
-                        break
+    for r, (_, mixed) in zip(rows, draft_logits(load_draft(SHIPPED), rows)):
+        top, choice = torch.softmax(mixed, -1).max(-1)
+        for t, right_token in enumerate(r["target"].tolist()):
+            context = r["ids"][:r["n"] + t]
+            draft_right = int(choice[t]) == right_token
+            base += draft_right
+            total += 1
+            for n in range(min(MAX_NGRAM, len(context)), 0, -1):
+                counts = table[n].get(tuple(context[-n:]))
+                if counts:
+                    g, c = counts.most_common(1)[0]
+                    found.append((n, c / sum(counts.values()), float(top[t]), g == right_token, draft_right))
+                    break
     oracle = (base + sum(g and not d for *_, g, d in found)) / total
     best = (base / total, "never")
     for n0 in range(1, MAX_NGRAM + 1):

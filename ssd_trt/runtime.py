@@ -155,14 +155,13 @@ class Generator:
         return self._engines[role]
 
     def _open_engine(self, role: str):
-        if self.backend(role) == "torch":
+        backend = self.backend(role)
+        if backend == "torch":
             return self._open_torch_engine(role)
-        if self.backend(role) == "trt":
-            import torch
-            from ssd_trt.trt.engine import TensorRTEngine, place_draft_and_target
-            draft_place, target_place = place_draft_and_target(torch.cuda.device_count())
+        if backend == "trt":
+            from ssd_trt.trt.engine import TensorRTEngine
             return TensorRTEngine(self.root / role / "engine.plan", self.spec(role), name=role,
-                                  placement=target_place if role == "target" else draft_place)
+                                  placement=self._gpu_placement(role))
         from ssd_trt.engines.ort import OrtEngine
         threads = self.options.target_threads if role == "target" else self.options.draft_threads
         cores = self.options.target_cores if role == "target" else self.options.draft_cores
@@ -173,7 +172,7 @@ class Generator:
         """The role's model as a TorchDeviceEngine, reloaded from the source the build recorded."""
         import torch
 
-        from ssd_trt.engines.device_step import Placement, place_draft_and_target
+        from ssd_trt.engines.device_step import Placement
         from ssd_trt.engines.torch_device import TorchDeviceEngine
         from ssd_trt.models.loading import load_decoder
         from ssd_trt.models.sources import resolve_source, source_fingerprint
@@ -190,13 +189,20 @@ class Generator:
                                 "differs from the manifest); rebuild, or use the ort backend")
         model, _ = load_decoder(source)
         on_gpu = torch.cuda.is_available()
-        draft_place, target_place = place_draft_and_target(torch.cuda.device_count()) if on_gpu else \
-            (Placement(), Placement())
         limits = ProfileLimits(int(self.limits["max_batch"]), int(self.limits["max_context"]),
                                int(self.limits["max_draft_len"]), int(self.limits["max_tree_size"]))
         dtype = getattr(torch, self.manifest["recipe"][role].get("dtype") or "float32")
         return TorchDeviceEngine(model, limits, name=role, device="cuda" if on_gpu else "cpu", dtype=dtype,
-                                 placement=target_place if role == "target" else draft_place)
+                                 placement=self._gpu_placement(role) if on_gpu else Placement())
+
+    @staticmethod
+    def _gpu_placement(role: str):
+        """The role's device and stream priority (``place_draft_and_target``: two GPUs, or two streams)."""
+        import torch
+
+        from ssd_trt.engines.device_step import place_draft_and_target
+        draft_place, target_place = place_draft_and_target(torch.cuda.device_count())
+        return target_place if role == "target" else draft_place
 
     # -- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | bytes, chat: bool = False) -> list[int]:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from .model import DraftModel, save_draft
@@ -105,6 +104,24 @@ def kd_loss(logits: torch.Tensor, tid: torch.Tensor, tlog: torch.Tensor, mask: t
     return (per_pos * m).sum() / m.sum().clamp(min=1e-6)
 
 
+def head_index(model: DraftModel) -> torch.Tensor:
+    """Vocabulary id -> row of the draft's head (-1: not in the head); the identity for a full head."""
+    vocab = model.config.vocab_size
+    if model.lm_head_token_ids is None:
+        return torch.arange(vocab)
+    index = torch.full((vocab,), -1, dtype=torch.long)
+    index[model.lm_head_token_ids] = torch.arange(len(model.lm_head_token_ids))
+    return index
+
+
+def batch_indices(step: int, n_samples: int, c: TrainConfig) -> list[int]:
+    """The training samples of batch ``step``: epoch e walks ``randperm(n, seed * 7919 + e)``, so the order
+    is a pure function of (seed, step) and a resumed run sees the batches an uninterrupted one would."""
+    epoch, j = divmod(step, n_samples // c.batch)
+    perm = torch.randperm(n_samples, generator=torch.Generator().manual_seed(c.seed * 7919 + epoch))
+    return [int(i) for i in perm[j * c.batch:(j + 1) * c.batch]]
+
+
 def lr_at(step: int, c: TrainConfig) -> float:
     if step < c.warmup:
         return c.lr * (step + 1) / c.warmup
@@ -159,12 +176,7 @@ def train(model: DraftModel, train_s: list[Sample], held: list[Sample], c: Train
     if len(train_s) < c.batch:
         raise ValueError(f"need at least batch={c.batch} training samples, got {len(train_s)}")
     out.mkdir(parents=True, exist_ok=True)
-    V = model.config.vocab_size
-    sub_index = torch.full((V,), -1, dtype=torch.long)
-    if model.lm_head_token_ids is None:
-        sub_index = torch.arange(V)
-    else:
-        sub_index[model.lm_head_token_ids] = torch.arange(len(model.lm_head_token_ids))
+    sub_index = head_index(model)
     opt = make_optimizer(model, c)
     step, best, history, elapsed = 0, -1.0, [], 0.0
     ckpt = out / "ckpt.pt"
@@ -182,14 +194,11 @@ def train(model: DraftModel, train_s: list[Sample], held: list[Sample], c: Train
             best = -1.0  # resumed on more data: the held-out set changed, old scores do not compare
         _set_rng_state(st["rng"])
         log(f"resumed at step {step}")
-    n_per_epoch = len(train_s) // c.batch
     model.train()
     t0 = time.time() - elapsed
     bar = tqdm(total=c.steps, initial=step, desc="distill", dynamic_ncols=True)
     while step < c.steps:
-        epoch, j = divmod(step, n_per_epoch)
-        perm = torch.randperm(len(train_s), generator=torch.Generator().manual_seed(c.seed * 7919 + epoch))
-        batch = [train_s[int(i)] for i in perm[j * c.batch:(j + 1) * c.batch]]
+        batch = [train_s[i] for i in batch_indices(step, len(train_s), c)]
         ids, tid, tlog, mask, cont = make_batch(batch, sub_index, c.max_len)
         weight = torch.where(cont, 1.0, c.prompt_weight)
         for g in opt.param_groups:
