@@ -16,11 +16,15 @@ Each pilot is short (minutes on 2 cores) and compares against a baseline run the
   datastore retrieval from the target's answers in DATA (REST-style): how often the most frequent
             follower of the longest suffix found there is right where the draft is wrong, and the
             best gate's agreement (fitted on the benchmark itself: an upper bound)
+  curves    held-out agreement against step and against training minutes of several
+            `python -m ssd_trt.distill` work directories (e.g. drafts of different depth trained
+            from scratch on the same teacher data, so they share one held-out set)  -> a PNG
 
   python scripts/draft_lever_pilots.py data --out runs/pilots/a --seed 0
   python scripts/draft_lever_pilots.py finetune --data runs/pilots/a --loss soft --out runs/pilots/ft_soft
   python scripts/draft_lever_pilots.py evaluate --draft runs/pilots/ft_soft
   python scripts/draft_lever_pilots.py datastore --data runs/pilots/a
+  python scripts/draft_lever_pilots.py curves runs/distill/scratch5 runs/distill/scratch10 --png curves.png
 """
 from __future__ import annotations
 
@@ -255,6 +259,43 @@ def datastore(data: Path, cache: Path) -> None:
     print(f"draft+copy {base / total:.4f}; oracle (g or draft right) {oracle:.4f}; best gate {best[0]:.4f} ({best[1]})")
 
 
+def heldout_curve(run: Path) -> list[dict]:
+    """The held-out evaluations (step, minutes, agree) a distill run logged in its checkpoint."""
+    ckpt = run / "ckpt.pt"
+    if not ckpt.exists():
+        raise FileNotFoundError(f"{ckpt} missing: {run} is not a `python -m ssd_trt.distill --out` directory")
+    history = torch.load(ckpt, weights_only=False)["history"]
+    return [h["eval"] for h in history if "eval" in h]
+
+
+def curves(runs: list[Path], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for run in runs:
+        evals = heldout_curve(run)
+        layers = load_draft(run / "best").config.num_hidden_layers
+        label = f"{run.name} ({layers} layers)"
+        by_step.plot([e["step"] for e in evals], [e["agree"] for e in evals], marker=".", label=label)
+        by_time.plot([e["minutes"] for e in evals], [e["agree"] for e in evals], marker=".", label=label)
+        last = evals[-1]
+        print(f"{label}: held-out agreement {last['agree']:.4f} at step {last['step']} "
+              f"({last['minutes']:.1f} min), best {max(e['agree'] for e in evals):.4f}")
+    by_step.set_xlabel("training step (batch 16)")
+    by_time.set_xlabel("training minutes on this CPU (2 threads)")
+    by_step.set_ylabel("held-out greedy agreement (network alone)")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"wrote {png}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -275,6 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--on-data", type=Path, default=None, help="a pilot data set instead of the benchmark prompts")
     s = sub.add_parser("datastore")
     s.add_argument("--data", type=Path, required=True)
+    c = sub.add_parser("curves")
+    c.add_argument("runs", type=Path, nargs="+", help="`python -m ssd_trt.distill --out` directories")
+    c.add_argument("--png", type=Path, required=True)
     for p in (e, s):
         p.add_argument("--cache", type=Path, default=ROOT / "runs" / "pilots" / "benchmark_positions.pt")
     a = ap.parse_args(argv)
@@ -283,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         pilot_data(a.out, a.prompts, a.seed, a.openers)
     elif a.command == "finetune":
         finetune(a.data, a.loss, a.out, a.steps, a.lr, a.layers)
+    elif a.command == "curves":
+        curves(a.runs, a.png)
     elif a.command == "evaluate":
         evaluate(a.draft, a.cache, a.on_data)
     else:

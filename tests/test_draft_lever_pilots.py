@@ -90,3 +90,36 @@ def test_a_grown_draft_starts_as_the_same_function():
     torch.testing.assert_close(a[finite], b[finite], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="multiple"):
         pilots.grown(small, 3)
+
+
+def test_curves_reads_the_heldout_evaluations_of_real_training_runs(tmp_path):
+    from ssd_trt.distill.teacher import Sample
+    from ssd_trt.distill.train import TrainConfig, split_samples, train
+
+    pilots = load_script()
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(40):   # teacher labels with a learnable rule: the target always predicts token (t + 1) % 50
+        ids = torch.randint(0, 50, (10,), generator=g, dtype=torch.int32)
+        nxt = ((ids.long() + 1) % 50).unsqueeze(-1)
+        topk_ids = torch.cat([nxt, (nxt + 7) % 50], -1).to(torch.int32)
+        topk_logits = torch.tensor([[4.0, 0.0]]).expand(10, 2).to(torch.float16)
+        samples.append(Sample(ids, 0, 3, topk_ids, topk_logits, "test"))
+    tr, held = split_samples(samples, every=8)
+    runs = []
+    for layers in (1, 2):
+        cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, vocab_size=50, rope_theta=10000.0)
+        torch.manual_seed(0)
+        run = tmp_path / f"layers{layers}"
+        train(DraftModel(cfg), tr, held, TrainConfig(steps=6, batch=8, lr=1e-2, warmup=1, ckpt_every=3,
+                                                     eval_samples=8), run, log=lambda *_: None)
+        runs.append(run)
+    evals = pilots.heldout_curve(runs[1])
+    assert [e["step"] for e in evals] == [3, 6]
+    assert all(0.0 <= e["agree"] <= 1.0 and e["minutes"] >= 0.0 for e in evals)
+    png = tmp_path / "plots" / "curves.png"
+    pilots.curves(runs, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(FileNotFoundError, match="not a `python -m ssd_trt.distill --out` directory"):
+        pilots.heldout_curve(tmp_path / "plots")
