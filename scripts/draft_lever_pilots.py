@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -46,7 +47,7 @@ from ssd_trt.decoding.backup import longest_match  # noqa: E402
 from ssd_trt.distill import magpie  # noqa: E402
 from ssd_trt.distill.copy_fit import read_copy_mixture  # noqa: E402
 from ssd_trt.distill.evaluate import load_prompt_file, target_continuations  # noqa: E402
-from ssd_trt.distill.model import DraftModel, load_draft, save_draft  # noqa: E402
+from ssd_trt.distill.model import DraftConfig, DraftModel, load_draft, save_draft  # noqa: E402
 from ssd_trt.distill.teacher import Sample, label_prompts, load_samples, load_target  # noqa: E402
 from ssd_trt.distill.train import (TrainConfig, batch_indices, head_index, kd_loss, lr_at,  # noqa: E402
                                   make_batch, make_optimizer, split_samples)
@@ -276,7 +277,7 @@ def curves(runs: list[Path], png: Path) -> None:
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for run in runs:
         evals = heldout_curve(run)
-        layers = load_draft(run / "best").config.num_hidden_layers
+        layers = DraftConfig.from_hf(json.loads((run / "best" / "config.json").read_text())).num_hidden_layers
         label = f"{run.name} ({layers} layers)"
         by_step.plot([e["step"] for e in evals], [e["agree"] for e in evals], marker=".", label=label)
         by_time.plot([e["minutes"] for e in evals], [e["agree"] for e in evals], marker=".", label=label)
