@@ -86,6 +86,10 @@ def stale_reason(recipe_path: Path, root: Path | None = None) -> str | None:
     recipe = load_recipe(recipe_path)
     root = root or Path.cwd()
     out = recipe.resolved_output_dir(root)
+    if _owner(out) is None:
+        return f"nothing has been built in {out} yet"
+    if not (out / MANIFEST_NAME).is_file():
+        return f"{out} holds an unfinished build (interrupted before its manifest.json was written)"
     try:
         manifest = read_manifest(out)
     except SsdTrtError as error:
@@ -102,6 +106,13 @@ def stale_reason(recipe_path: Path, root: Path | None = None) -> str | None:
 
 
 def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> Path:
+    """Export, validate and (where TensorRT can) compile the recipe's pair; returns the build directory."""
+    from ssd_trt.models.loading import transformers_progress_bars_off
+    with transformers_progress_bars_off():
+        return _build(recipe_path, force, root)
+
+
+def _build(recipe_path: Path, force: bool, root: Path | None) -> Path:
     from tqdm import tqdm
 
     from ssd_trt.export.onnx_export import save_flavours, trace_step_graph
@@ -210,11 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.if_stale:
-            reason = stale_reason(args.recipe)
-            if reason is None:
-                print(f"{load_recipe(args.recipe).resolved_output_dir(Path.cwd())} is up to date")
+            target = load_recipe(args.recipe).resolved_output_dir(Path.cwd())
+            if _owner(target) is None:
+                print(f"building {target}: first build of this recipe here (takes a few minutes)", file=sys.stderr)
+            elif (reason := stale_reason(args.recipe)) is None:
+                print(f"{target} is up to date")
                 return 0
-            print(f"rebuilding: {reason}", file=sys.stderr)
+            else:
+                print(f"rebuilding: {reason}", file=sys.stderr)
         out = build(args.recipe, force=args.force)
     except SsdTrtError as error:
         print(f"ssd_trt.build: error: {error}", file=sys.stderr)
@@ -223,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built {out}")
     for role in ROLES:
         p, v = manifest["models"][role]["parity_vs_transformers"], manifest["validation"][role]
-        print(f"  {role}: logits vs transformers max |diff| {p.get('max_abs_diff')}, "
-              f"polygraphy {'passed' if v['passed'] else 'FAILED'} (max abs err {v['max_abs_error']:.2e})")
+        parity = (f"logits vs {p['reference']}: max |diff| {p['max_abs_diff']:.2e}" if p.get("max_abs_diff") is not None
+                  else f"no transformers reference ({p.get('reason', 'not measured')})")
+        print(f"  {role}: {parity}; ONNX vs torch (Polygraphy, {len(v['shapes'])} step shapes): "
+              f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}")
     print(f"  tensorrt: {manifest['tensorrt']['status']}: {manifest['tensorrt']['reason']}")
     return 0
 

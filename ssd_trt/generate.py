@@ -35,6 +35,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class TextPrinter:
+    """An ``on_tokens`` callback that prints one row's text to stdout as its tokens are committed."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.tokens, self.printed = tokenizer, [], 0
+
+    def __call__(self, row: int, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):   # wait for the rest of a multi-byte character
+            sys.stdout.write(text[self.printed:])
+            sys.stdout.flush()
+            self.printed = len(text)
+
+    def finish(self, text: str) -> None:
+        """Print what is left of the final text, and a newline."""
+        sys.stdout.write(text[self.printed:] + "\n")
+        sys.stdout.flush()
+
+
 def parse_widths(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
@@ -54,19 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         generator = ssd_trt.load(args.build_dir, RuntimeOptions(draft_len=args.draft_len,
                                                                 tree_widths=parse_widths(args.tree_widths),
                                                                 backend=args.backend))
-        streamed: list[int] = []
-        printed = [0]
-
-        def stream(row: int, tokens: list[int]) -> None:
-            streamed.extend(tokens)
-            text = generator.tokenizer.decode(streamed, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):   # wait for the rest of a multi-byte character
-                sys.stdout.write(text[printed[0]:])
-                sys.stdout.flush()
-                printed[0] = len(text)
-
+        printer = TextPrinter(generator.tokenizer)
         [result] = generator.generate(args.prompt, params, mode=args.mode, chat=args.chat,
-                                      on_tokens=None if args.json else stream)
+                                      on_tokens=None if args.json else printer)
     except SsdTrtError as error:
         print(f"ssd_trt.generate: error: {error}", file=sys.stderr)
         return 2
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
     else:
-        sys.stdout.write(result.text[printed[0]:] + "\n")
+        printer.finish(result.text)
         s = result.stats
         print(f"[{args.mode}] {s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
               f"ttft {s['ttft_s']:.3f}s", file=sys.stderr)

@@ -119,6 +119,10 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from None
     except RecursionError:
         raise RecipeError(f"recipe {path} nests too deeply to be a recipe; see README 'Writing a recipe'") from None
+    if data is None:
+        raise RecipeError(f"recipe {path} is empty (no YAML content, only whitespace or comments); write a "
+                          f"mapping with keys name, target, draft (and optionally engine, decoding), e.g. "
+                          f"recipes/smollm2-135m.yaml; see README 'Writing a recipe'")
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {path} must be a YAML mapping with keys name, target, draft, engine; "
                           f"got {type(data).__name__}")

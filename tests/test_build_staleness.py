@@ -60,4 +60,16 @@ def test_missing_build_is_stale_and_cli_rebuilds_only_when_needed(tiny_build):
     assert second.returncode == 0 and "rebuilding: the draft model files changed" in second.stderr
     assert stale_reason(recipe, root=recipe.parent) is None
     (out / "manifest.json").unlink()
-    assert "no manifest.json" in stale_reason(recipe, root=recipe.parent)
+    assert "unfinished build" in stale_reason(recipe, root=recipe.parent)
+
+
+def test_first_build_says_it_is_the_first_not_a_rebuild(tmp_path):
+    target = save_hf_checkpoint(random_decoder(tiny_config(), seed=0), tmp_path / "target")
+    recipe = write_recipe(tmp_path / "tiny.yaml", target, target, name="tiny-first")
+    cmd = [sys.executable, "-m", "ssd_trt.build", str(recipe), "--if-stale"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "first build of this recipe" in result.stderr and "rebuilding" not in result.stderr, result.stderr
+    assert "Warning" not in result.stderr and "warn" not in result.stderr.lower(), result.stderr
+    summary = result.stdout
+    assert "logits vs transformers AutoModelForCausalLM: max |diff|" in summary and "None" not in summary, summary

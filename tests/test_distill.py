@@ -233,3 +233,37 @@ def test_copy_fit_trusts_the_follower_only_where_it_is_right(tmp_path):
     write_copy_mixture(tmp_path, mixture)
     assert read_copy_mixture(tmp_path) == mixture
     assert load_draft(tmp_path).config == draft.config           # the extra key does not disturb the loader
+
+
+def test_reduced_head_draft_has_a_transformers_parity_check(tmp_path):
+    """The build compares a reduced-head draft with transformers too: its body, times the reduced head."""
+    from ssd_trt.export.parity import transformers_parity
+    from ssd_trt.models.loading import load_decoder
+    from ssd_trt.models.sources import resolve_source
+    torch.manual_seed(0)
+    save_draft(DraftModel(small_cfg(), torch.tensor([2, 5, 17, 100, 511])).eval(), tmp_path, dtype=torch.float32)
+    source = resolve_source(str(tmp_path))
+    model, _ = load_decoder(source)
+    result = transformers_parity(model, source)
+    assert "reduced head" in result["reference"] and result["max_abs_diff"] < 1e-4
+    with torch.no_grad():                       # and the check can fail: a perturbed layer is caught
+        model.layers[0].mlp.down_proj.weight.add_(0.05)
+    assert transformers_parity(model, source)["max_abs_diff"] > 1e-3
+
+
+def test_polygraphy_validation_of_a_reduced_head_draft_is_warning_free(tmp_path):
+    """-inf logits off the head subset are compared exactly, the rest by Polygraphy: no inf - inf NaN warnings."""
+    import warnings
+
+    from ssd_trt.export.onnx_export import save_flavours, trace_step_graph
+    from ssd_trt.export.validate import validate_with_polygraphy
+    from ssd_trt.models.loading import load_decoder
+    from ssd_trt.models.sources import resolve_source
+    torch.manual_seed(0)
+    save_draft(DraftModel(small_cfg(), torch.tensor([2, 5, 17, 100, 511])).eval(), tmp_path / "d", dtype=torch.float32)
+    model, _ = load_decoder(resolve_source(str(tmp_path / "d")))
+    paths = save_flavours(trace_step_graph(model), tmp_path / "onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = validate_with_polygraphy(model, paths["ort"], [(1, 1), (2, 5)])
+    assert result["passed"] and result["non_finite_compared_exactly"] > 0

@@ -84,6 +84,13 @@ def test_malformed_yaml_is_one_clear_message(tmp_path, text):
     assert "recipe" in result.stderr
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
+def test_empty_recipe_says_it_is_empty(tmp_path, text):
+    result = run_build(recipe(tmp_path, text))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "is empty" in result.stderr and "NoneType" not in result.stderr, result.stderr
+
+
 def test_missing_recipe_file(tmp_path):
     result = run_build(tmp_path / "absent.yaml")
     assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,24 @@ def test_export_writes_two_models_with_trtllm_tensor_names(smollm2_build, tmp_pa
         export_repository(smollm2_build, tmp_path / "bad", ExportOptions(max_batch_rows=99))
 
 
+# -- the serving venv -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_serving_venv_layers_over_the_environment_running_ssd_trt(tmp_path):
+    """From a virtualenv (how CI and most users run), the server's python sees this environment's torch and
+    ssd_trt, with its own numpy < 2 first (venv --system-site-packages would see only the base interpreter's)."""
+    from ssd_trt.serve.triton.environment import ensure_env, main_site_dirs
+    env = ensure_env()
+    probe = "import numpy, torch, ssd_trt; print(numpy.__version__); print(torch.__file__); print(ssd_trt.__file__)"
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run([str(env.python), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                          env=clean, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    numpy_version, torch_file, ssd_trt_file = proc.stdout.split()
+    assert int(numpy_version.split(".")[0]) < 2
+    assert any(Path(torch_file).is_relative_to(d) for d in main_site_dirs()), (torch_file, main_site_dirs())
+    assert Path(ssd_trt_file).resolve().is_relative_to(ROOT)
+
+
 # -- a real server --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def references(smollm2_build) -> dict[tuple[str, str], list[int]]:
@@ -99,11 +118,11 @@ def server(smollm2_build, references, tmp_path_factory):
 
 
 def client(server, *args: str, timeout: float = 900) -> list[dict]:
-    """Run the example client in the serving venv; its JSON lines."""
-    proc = subprocess.run([str(server.env.python), "-m", "ssd_trt.serve.triton.client", *args,
-                           "--http-url", server.http_url, "--grpc-url", server.grpc_url],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """Run the example client as a user does (`python -m ssd_trt.serve.triton client ...`, which runs it in
+    the serving venv); its JSON lines."""
+    proc = subprocess.run([sys.executable, "-m", "ssd_trt.serve.triton", "client", "--venv", str(server.env.venv),
+                           *args, "--http-url", server.http_url, "--grpc-url", server.grpc_url],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"client printed no JSON (exit {proc.returncode}): {proc.stderr[-2000:]}"
     return lines

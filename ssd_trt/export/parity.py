@@ -18,14 +18,50 @@ def decoder_logits(model: Decoder, ids: torch.Tensor) -> torch.Tensor:
 
 
 def transformers_parity(model: Decoder, source: ResolvedSource) -> dict:
-    """Max |logit difference| vs transformers (fp32), or the reason it could not be measured."""
-    from transformers import AutoModelForCausalLM
-    if model.lm_head_token_ids is not None:
-        return {"max_abs_diff": None, "reason": "reduced draft head: not a transformers architecture"}
-    kwargs = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
-    reference = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **kwargs).eval()
+    """Max |logit difference| vs transformers (fp32) on a fixed token sequence.
+
+    A full-vocabulary model is compared with transformers' ``AutoModelForCausalLM`` of the same files.
+    A reduced draft head (``lm_head_token_ids``) is no transformers architecture, so its body is: the
+    checkpoint's decoder weights load into transformers' ``AutoModel`` (embeddings, layers, final norm),
+    whose last hidden state times the reduced head is compared on the head's token subset.
+    """
     ids = torch.tensor([[t % model.config.vocab_size for t in PARITY_TOKENS]])
+    ours = decoder_logits(model, ids)
+    if model.lm_head_token_ids is None:
+        expected = _causal_lm(source)(ids).logits
+        reference = "transformers AutoModelForCausalLM"
+    else:
+        with torch.no_grad():
+            hidden = _body(source)(ids).last_hidden_state
+            expected = hidden @ model.lm_head.weight.t()
+        ours = ours[..., model.lm_head_token_ids]
+        reference = "transformers AutoModel (body) x the reduced head, on its token subset"
+    diff = float((ours - expected).abs().max())
+    return {"max_abs_diff": diff, "logit_scale": float(expected.abs().max()), "tokens": ids.shape[1],
+            "reference": reference}
+
+
+def _causal_lm(source: ResolvedSource):
+    from transformers import AutoModelForCausalLM
+    kwargs = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **kwargs).eval()
+    return lambda ids: _no_grad(model, ids)
+
+
+def _body(source: ResolvedSource):
+    """transformers' base model with the checkpoint's non-head weights (strict: every tensor must match)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModel
+    config = AutoConfig.from_pretrained(source.path)
+    body = AutoModel.from_config(config, dtype=torch.float32).eval()
+    state = {}
+    for file in sorted(source.path.glob("*.safetensors")):
+        state.update({name.removeprefix("model."): tensor.float() for name, tensor in load_file(file).items()
+                      if not name.startswith("lm_head")})
+    body.load_state_dict(state, strict=True)
+    return lambda ids: _no_grad(body, ids)
+
+
+def _no_grad(model, ids: torch.Tensor):
     with torch.no_grad():
-        expected = reference(ids).logits
-    diff = float((decoder_logits(model, ids) - expected).abs().max())
-    return {"max_abs_diff": diff, "logit_scale": float(expected.abs().max()), "tokens": ids.shape[1]}
+        return model(ids)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -60,3 +61,17 @@ def load_tokenizer(source: ResolvedSource):
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RecipeError(f"model source {source.path} has no usable tokenizer ({first_line}); ship the "
                           f"tokenizer files (tokenizer.json, tokenizer_config.json) next to the weights") from None
+
+
+@contextmanager
+def transformers_progress_bars_off() -> Iterator[None]:
+    """Silence transformers' own per-load bars (GGUF dequantisation, weight loading) inside a caller that
+    shows its own progress (the build); restores the previous setting."""
+    from transformers.utils import logging
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()

@@ -17,6 +17,19 @@ def _setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run the example client (``client.py``) in the serving venv, where tritonclient lives."""
+    import os
+    import subprocess
+
+    from ssd_trt.serve.triton.environment import ensure_env
+    env = ensure_env(Path(args.venv) if args.venv else None)
+    source_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(filter(None, (source_root, os.environ.get("PYTHONPATH"))))
+    return subprocess.run([str(env.python), "-m", "ssd_trt.serve.triton.client", *rest],
+                          env={**os.environ, "PYTHONPATH": path}).returncode
+
+
 def _export(args: argparse.Namespace) -> int:
     from ssd_trt.serve.triton.repository import ExportOptions, export_repository
     options = ExportOptions(model_name=args.model_name, instances=args.instances,
@@ -86,9 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--venv", help="serving venv (created on first use)")
     start.set_defaults(func=_start)
 
-    args = parser.parse_args(argv)
+    client = sub.add_parser("client", add_help=False,
+                            help="run the example client in the serving venv (`client --help` for its options)")
+    client.add_argument("--venv", help="serving venv (created on first use)")
+    client.set_defaults(func=_client)
+
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "client":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return args.func(args)
+        return args.func(args, rest) if args.command == "client" else args.func(args)
     except (SsdTrtError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """Client example for the exported models, with ``tritonclient`` (HTTP, and gRPC streaming).
 
-Run it with the serving venv's python (tritonclient is installed there)::
+Run it through ``python -m ssd_trt.serve.triton client ...`` (which runs this module in the serving venv,
+where tritonclient is installed), or with the serving venv's python directly::
 
-    VENV=~/.cache/ssd-trt/serve-venv
+    VENV=$(python -m ssd_trt.serve.triton setup)      # prints the serving venv's path (creates it once)
     $VENV/bin/python -m ssd_trt.serve.triton.client generate --prompt "The capital of France is" \\
         --max-tokens 16 --protocol grpc --mode ssd          # streams chunks as they are committed
     $VENV/bin/python -m ssd_trt.serve.triton.client generate --prompt "Hello" --protocol http

@@ -2,14 +2,21 @@
 
 The Python backend's stub runs the ``python3`` first on PATH, and that interpreter's numpy must be < 2
 (with numpy 2 the stub corrupts inputs). The main environment keeps numpy 2, so the server gets its own
-venv, created with ``--system-site-packages`` so torch / onnxruntime / transformers / ssd_trt come from
-the main environment. The bundle also lacks the stub in ``backends/python/``: it is copied there from
+venv layered over the environment ssd_trt runs in: a ``.pth`` file in the serving venv adds the main
+environment's site directories (``site.addsitedir``, so editable installs resolve too) *after* the venv's
+own, so numpy<2 from the venv wins while torch / onnxruntime / transformers / ssd_trt come from the main
+environment. That works whether the main environment is the system interpreter, a virtualenv or a conda
+env (``venv --system-site-packages`` would only see the *base* interpreter's packages from inside a
+virtualenv). Each main environment gets its own serving venv (the default path carries a hash of its
+prefix). The bundle also lacks the stub in ``backends/python/``: it is copied there from
 ``python_backend_stubs/<python version>/``.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import site
 import shutil
 import subprocess
 import sys
@@ -23,7 +30,9 @@ REQUIREMENTS = ("numpy<2", "nvidia-pytriton==0.7.0", "tritonclient[http,grpc]>=2
 MARKER = ".ssd-trt-serve-ok"
 VENV_ENV_VAR = "SSD_TRT_SERVE_VENV"
 # what the model needs from the main environment, checked once under numpy<2
-CHECK_IMPORTS = "import numpy, torch, onnxruntime, transformers, tritonclient.grpc, tritonclient.http, pytriton"
+CHECK_IMPORTS = ("import numpy, torch, onnxruntime, transformers, ssd_trt, tritonclient.grpc, tritonclient.http, "
+                 "pytriton")
+MAIN_ENV_PTH = "ssd_trt_main_environment.pth"
 
 
 class ServeEnvError(SsdTrtError):
@@ -31,8 +40,35 @@ class ServeEnvError(SsdTrtError):
 
 
 def default_venv() -> Path:
-    """``$SSD_TRT_SERVE_VENV`` or ``~/.cache/ssd-trt/serve-venv``."""
-    return Path(os.environ.get(VENV_ENV_VAR) or "~/.cache/ssd-trt/serve-venv").expanduser().resolve()
+    """``$SSD_TRT_SERVE_VENV``, else ``~/.cache/ssd-trt/serve-venv-<hash of this environment's prefix>``."""
+    if os.environ.get(VENV_ENV_VAR):
+        return Path(os.environ[VENV_ENV_VAR]).expanduser().resolve()
+    key = hashlib.sha256(str(Path(sys.prefix).resolve()).encode()).hexdigest()[:10]
+    return Path(f"~/.cache/ssd-trt/serve-venv-{key}").expanduser().resolve()
+
+
+def main_site_dirs() -> list[str]:
+    """The site directories of the environment running this code (system, virtualenv or conda)."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def link_main_environment(venv: Path) -> Path:
+    """Write the ``.pth`` that appends the main environment's site dirs to the serving venv's sys.path."""
+    found = sorted(venv.glob("lib/python3*/site-packages"))
+    if not found:
+        raise ServeEnvError(f"{venv} has no lib/python3*/site-packages; recreate it with "
+                            f"`python -m ssd_trt.serve.triton setup --force`")
+    # lines starting with "import" are executed by site.py; addsitedir also runs the .pth files found
+    # there (editable installs), and appends, so the venv's own numpy<2 stays first
+    lines = [f"import site; site.addsitedir({d!r})" for d in main_site_dirs()]
+    path = found[0] / MAIN_ENV_PTH
+    text = "\n".join(lines) + "\n"
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path
 
 
 @dataclass(frozen=True)
@@ -85,8 +121,8 @@ class ServeEnv:
         return env
 
 
-def _run(cmd: list[str], what: str) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
         raise ServeEnvError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
@@ -130,19 +166,27 @@ def ensure_env(venv: Path | None = None, force: bool = False,
     with open(venv.parent / f".{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if is_ready(venv) and not force:
+            link_main_environment(venv)
             env, version = _probe(venv)
             _copy_stub(env, version)
             return env
         if not (venv / "bin" / "python").exists():
-            log(f"creating serving venv {venv} (system site-packages: torch/onnxruntime/transformers/ssd_trt)")
-            _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], "creating the venv")
+            log(f"creating serving venv {venv} on top of {sys.prefix} (torch/onnxruntime/transformers/ssd_trt "
+                f"come from there)")
+            _run([sys.executable, "-m", "venv", str(venv)], "creating the venv")
+        link_main_environment(venv)
         log(f"installing {', '.join(REQUIREMENTS)} into {venv}")
         env, version = _probe(venv)
         _run([str(env.python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *REQUIREMENTS],
              "pip install")
         _copy_stub(env, version)
+        # ssd_trt from this source tree even when it is not installed (the model repository does the same)
+        source_root = str(Path(__file__).resolve().parents[3])
+        check_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (source_root,
+                                                                              os.environ.get("PYTHONPATH"))))}
         _run([str(env.python), "-c", CHECK_IMPORTS + "; assert int(numpy.__version__.split('.')[0]) < 2, "
-              "numpy.__version__"], "checking torch/onnxruntime/transformers under numpy<2 in the venv")
+              "numpy.__version__"], "checking torch/onnxruntime/transformers/ssd_trt under numpy<2 in the venv",
+             check_env)
         if not env.tritonserver.is_file():
             raise ServeEnvError(f"{env.tritonserver} is missing; the nvidia-pytriton wheel looks incomplete")
         (venv / MARKER).write_text(" ".join(REQUIREMENTS) + "\n")

@@ -1,0 +1,88 @@
+"""``python -m ssd_trt.demo BUILD_DIR``: one prompt through ar, sd and ssd, then a table to compare them.
+
+The engines are opened once; each mode streams its text, and the table shows what each mode did:
+tokens/s, draft tokens accepted per round, SSD's speculation-cache hit rate, the time a round spent
+drafting and verifying, and the CPU cores each model ran on.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+from ssd_trt.errors import SsdTrtError
+from ssd_trt.generate import TextPrinter
+from ssd_trt.runtime import MODES
+
+HOW_TO_READ = (
+    "How to read it: 'accepted' is draft tokens the target accepted per round (each round adds one more token of "
+    "the target's own); 'cache hit' is how often SSD's pre-drafted speculation matched the verification outcome. "
+    "SSD runs the draft on its own core at the same time as the target, so it pays off when that core is free: on "
+    "a busy or 2-core machine SSD can land below SD. One prompt is noisy; `python -m ssd_trt.bench` compares the "
+    "modes side by side over a prompt set.")
+
+
+def cores(option: tuple[int, ...] | None, threads: int) -> str:
+    where = "any core" if not option else "core " + ",".join(str(c) for c in option)
+    return f"{where}, {threads} thread{'s' if threads != 1 else ''}"
+
+
+def number(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def draft_placement(mode: str, options) -> str:
+    """SSD's draft has its own thread and cores; SD's draft runs in turn with the target, on its thread."""
+    if mode == "ar":
+        return "-"
+    if mode == "sd":
+        return cores(options.target_cores, options.draft_threads) + " (in turn with the target)"
+    return cores(options.draft_cores, options.draft_threads)
+
+
+def summary_table(rows: list[tuple[str, dict]], options) -> str:
+    header = ("mode", "tok/s", "accepted/round", "cache hit", "draft ms/round", "verify ms/round",
+              "target on", "draft on")
+    lines = [header]
+    for mode, stats in rows:
+        lines.append((mode, number(stats.get("tokens_per_s"), ".1f"), number(stats.get("mean_accepted"), ".2f"),
+                      number(stats.get("cache_hit_rate"), ".2f"),
+                      number(None if stats.get("draft_latency_s") is None else 1e3 * stats["draft_latency_s"], ".1f"),
+                      number(None if stats.get("verify_latency_s") is None else 1e3 * stats["verify_latency_s"], ".1f"),
+                      cores(options.target_cores, options.target_threads), draft_placement(mode, options)))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ssd_trt.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("build_dir", type=Path)
+    parser.add_argument("--prompt", default="Write a short poem about the sea.")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, default ar,sd,ssd")
+    parser.add_argument("--no-chat", action="store_true", help="tokenize the prompt as-is (default: chat template)")
+    args = parser.parse_args(argv)
+    try:
+        import ssd_trt
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        generator = ssd_trt.load(args.build_dir)
+        params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens)
+        rows = []
+        for mode in modes:
+            print(f"== mode {mode} ==", flush=True)
+            printer = TextPrinter(generator.tokenizer)
+            [result] = generator.generate(args.prompt, params, mode=mode, chat=not args.no_chat, on_tokens=printer)
+            printer.finish(result.text)
+            rows.append((mode, result.stats))
+    except SsdTrtError as error:
+        print(f"ssd_trt.demo: error: {error}", file=sys.stderr)
+        return 2
+    print()
+    print(summary_table(rows, generator.options))
+    print(textwrap.fill(HOW_TO_READ, width=110))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
