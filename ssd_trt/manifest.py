@@ -9,7 +9,7 @@ from typing import Any
 from ssd_trt.errors import ArtifactError
 
 MANIFEST_NAME = "manifest.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: the step graph takes logit_indices (which new tokens get logits)
 LIMITS = ("max_batch", "max_context", "max_draft_len")
 CONFIG_INTS = ("vocab_size", "num_layers", "num_kv_heads", "head_dim")
 REQUIRED_FILES = ("model.ort.onnx",)                     # per role: the runtime cannot run without these
@@ -48,9 +48,13 @@ def read_manifest(root: Path) -> dict[str, Any]:
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
         newer = isinstance(version, int) and version > SCHEMA_VERSION
-        raise ArtifactError(f"{path} has schema version {version!r}, this ssd-trt reads {SCHEMA_VERSION}"
-                            + ("; it was built by a newer ssd-trt: upgrade ssd-trt or rebuild" if newer
-                               else "; rebuild with `python -m ssd_trt.build`"))
+        recipe = manifest.get("recipe", {}).get("_path", "<recipe.yaml>") if isinstance(manifest, dict) else \
+            "<recipe.yaml>"
+        raise ArtifactError(
+            f"{path} was written by {'a newer' if newer else 'an older'} ssd-trt (schema version "
+            f"{version!r}; this ssd-trt reads version {SCHEMA_VERSION}), and its engines do not match this runtime's "
+            + ("step graph: upgrade ssd-trt, or rebuild it" if newer else "step graph: rebuild it")
+            + f" with `python -m ssd_trt.build {recipe} --force` (scripts run `--if-stale`, which rebuilds it)")
     for key in ("recipe", "models", "artifacts"):
         if key not in manifest:
             raise ArtifactError(f"{path} lacks '{key}'; rebuild with `python -m ssd_trt.build`")

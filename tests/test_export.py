@@ -8,7 +8,7 @@ import onnx
 import torch
 
 from plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference, unpack_tree_mask
-from ssd_trt.manifest import sha256_file
+from ssd_trt.manifest import SCHEMA_VERSION, sha256_file
 
 
 def test_ort_flavour_passes_full_onnx_check_and_polygraphy(tiny_pairs):
@@ -45,7 +45,7 @@ def test_manifest_lists_every_artifact_with_its_sha256(tiny_pairs):
     for path, entry in listed.items():
         assert sha256_file(root / path) == entry["sha256"]
     assert manifest["tensorrt"]["status"] in ("skipped", "stopped at ONNX")
-    assert manifest["tools"]["onnxruntime"] and manifest["schema_version"] == 1
+    assert manifest["tools"]["onnxruntime"] and manifest["schema_version"] == SCHEMA_VERSION
 
 
 def test_packed_mask_round_trips():

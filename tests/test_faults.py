@@ -55,15 +55,15 @@ class FaultyEngine:
             raise InjectedFault("injected fault in reset")
         self.inner.reset(batch)
 
-    def forward(self, input_ids, position_ids, tree_mask=None) -> np.ndarray:
+    def forward(self, input_ids, position_ids, tree_mask=None, logit_indices=None) -> np.ndarray:
         call, self.calls = self.calls, self.calls + 1
         if call < self.at or (self.once and call > self.at) or self.fault == "reset":
-            return self.inner.forward(input_ids, position_ids, tree_mask)
+            return self.inner.forward(input_ids, position_ids, tree_mask, logit_indices)
         if self.fault == "crash":
             raise InjectedFault(f"injected crash at forward call {call}")
         if self.fault == "hang":
             time.sleep(self.hang_s)
-        logits = self.inner.forward(input_ids, position_ids, tree_mask)
+        logits = self.inner.forward(input_ids, position_ids, tree_mask, logit_indices)
         if self.fault == "garbage":
             return (self.rng.standard_normal(logits.shape) * 10).astype(np.float32)
         if self.fault == "nan":

@@ -15,13 +15,13 @@ from hypothesis.extra.numpy import arrays
 
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.saguaro import tree_step_inputs
-from ssd_trt.decoding.sampling import (processed_probs, saguaro_probs, sample, verify_chain,
-                                       verify_tree_children)
+from ssd_trt.decoding.sampling import TokenDistribution, filter_logits, verify_chain, verify_tree_children
 from ssd_trt.decoding.speculative import tree_mask_from_parents, tree_shape
 from ssd_trt.engines.base import EngineSpec
 from ssd_trt.engines.kv_cache import KVCache
 from ssd_trt.errors import RecipeError
 from ssd_trt.recipe import Recipe, load_recipe
+from tests.sampling_reference import reference_probs, reference_saguaro
 
 FAST = settings(derandomize=True, deadline=None, max_examples=60,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -60,10 +60,10 @@ def emitted_tokens(target, draft, params, fan_out, c, seed, rule=verify_chain, d
     """Run the chain verification ``draws`` times; return the first emitted token, and the second one
     for the runs that accepted s_1 (then position 2 decides it)."""
     rng = np.random.default_rng(seed)
-    q = saguaro_probs(processed_probs(draft, params), fan_out, c)     # sigma_{F,C}: what the draft draws from
+    q = filter_logits(draft, params).boosted(fan_out, c)          # sigma_{F,C}: what the draft draws from
     first, second = np.zeros(target.shape[1]), np.zeros(target.shape[1])
     for _ in range(draws):
-        tokens = np.array([sample(q[i], rng) for i in range(len(q))])
+        tokens = q.sample(rng)
         outcome = rule(tokens, q, target, params, rng)
         emitted = [int(t) for t in tokens[:outcome.accepted]] + [outcome.bonus]
         first[emitted[0]] += 1
@@ -77,7 +77,7 @@ def emitted_tokens(target, draft, params, fan_out, c, seed, rule=verify_chain, d
 def test_chain_verification_emits_the_target_distribution(case):
     target, draft, params, fan_out, c, seed = case
     first, second = emitted_tokens(target, draft, params, fan_out, c, seed)
-    p = processed_probs(target, params)
+    p = reference_probs(target, params)
     assert tv(first, p[0]) < tv_bound(p[0], DRAWS)
     if second.sum() >= 300:
         assert tv(second, p[1]) < tv_bound(p[1], int(second.sum()))
@@ -90,7 +90,7 @@ def test_the_verification_fuzz_sees_a_biased_rule():
     target, draft = np.array([[0.5, 0, 0, 0], [0, 0, 0, 0]]), np.array([[3.0, 0, 0, 0]])
     params = SamplingParams(temperature=1.0)
     first, _ = emitted_tokens(target, draft, params, 0, 1.0, 0, rule=planted_reference_bug)
-    p = processed_probs(target, params)
+    p = reference_probs(target, params)
     assert tv(first, p[0]) > tv_bound(p[0], DRAWS)
 
 
@@ -100,14 +100,15 @@ def test_multi_draft_tree_level_emits_the_target_distribution(case, children):
     """SpecInfer's rule: children i.i.d. from q, tried in order; the emitted token is ~ p."""
     target, draft, params, fan_out, c, seed = case
     rng = np.random.default_rng(seed)
-    p = processed_probs(target[0], params)
-    q = saguaro_probs(processed_probs(draft[0], params), fan_out, c)
-    counts = np.zeros(len(p))
+    p = filter_logits(target[:1], params)[0]
+    q = filter_logits(draft[:1], params).boosted(fan_out, c)[0]
+    counts = np.zeros(target.shape[1])
     for _ in range(DRAWS):
-        tokens = [sample(q, rng) for _ in range(children)]
-        chosen, bonus = verify_tree_children(tokens, q, p, params, rng)
+        tokens = [int(q.sample(rng)) for _ in range(children)]
+        chosen, bonus = verify_tree_children(tokens, q, p, None, rng)
         counts[tokens[chosen] if chosen is not None else bonus] += 1
-    assert tv(counts, p) < tv_bound(p, DRAWS)
+    expected = reference_probs(target[0], params)
+    assert tv(counts, expected) < tv_bound(expected, DRAWS)
 
 
 @FAST
@@ -124,16 +125,41 @@ def test_greedy_verification_accepts_exactly_the_argmax_prefix(case):
 @FAST
 @given(logits, st.sampled_from([0.3, 1.0, 2.0]), st.integers(0, 7), st.floats(0.05, 1.0), st.integers(0, 7),
        st.floats(0.01, 1.0))
-def test_processed_and_saguaro_probs_are_distributions_on_the_right_support(z, temperature, top_k, top_p,
-                                                                            fan_out, c):
+def test_filtered_and_saguaro_probs_equal_the_plain_dense_reference(z, temperature, top_k, top_p, fan_out, c):
+    """The sparse, batched filter computes exactly the plain dense math (tests/sampling_reference.py)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    p = processed_probs(z, params)
+    dist = filter_logits(np.stack([z, z[::-1]]), params)                  # two rows at once
+    expected = reference_probs(np.stack([z, z[::-1]]), params)
+    np.testing.assert_allclose(dist.dense(len(z)), expected, rtol=1e-12, atol=1e-15)
+    p = expected[0]
     assert np.all(p >= 0) and abs(p.sum() - 1) < 1e-9
     assert p[np.abs(z - z.max()) < 1e-9].sum() > 0                  # a most likely token is always kept
     if 0 < top_k < len(z):
         assert (p > 0).sum() <= top_k + int(np.sum(z == np.sort(z)[-top_k])) - 1   # ties at the k-th value
-    q = saguaro_probs(p, fan_out, c)
+    q = dist.boosted(fan_out, c)[0].dense(len(z))
+    if len(set(p[p > 0])) == len(p[p > 0]):      # no ties among the top-F: the boosted set is well defined
+        np.testing.assert_allclose(q, reference_saguaro(p, fan_out, c), rtol=1e-12, atol=1e-15)
     assert abs(q.sum() - 1) < 1e-9 and np.array_equal(q > 0, p > 0)      # C only rescales, never drops
+
+
+@FAST
+@given(st.integers(0, 2**16), st.sampled_from([0.5, 1.0]), st.sampled_from([0, 1, 3, 20]),
+       st.sampled_from([1.0, 0.9, 0.5]))
+def test_filtered_probs_of_a_reduced_head_equal_the_dense_reference(seed, temperature, top_k, top_p):
+    """Rows that are -inf off a head subset (plus a different extra token per row, as the copy component
+    adds) take the compressed path; the result is still exactly the dense reference."""
+    rng = np.random.default_rng(seed)
+    vocab, rows = 64, 3
+    z = np.full((rows, vocab), -np.inf, dtype=np.float32)
+    head = rng.choice(vocab, size=rng.integers(1, 24), replace=False)
+    z[:, head] = rng.standard_normal((rows, len(head))).astype(np.float32) * 2
+    z[np.arange(rows), rng.integers(0, vocab, rows)] = 1.0
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    dist = filter_logits(z, params)
+    assert dist.ids is not None                                         # sparse: the support, not [V]
+    np.testing.assert_allclose(dist.dense(vocab), reference_probs(z, params), rtol=1e-12, atol=1e-15)
+    tokens = dist.sample(rng)
+    assert np.all(reference_probs(z, params)[np.arange(rows), tokens] > 0)
 
 
 # -- tree masks ----------------------------------------------------------------------------------

@@ -85,9 +85,9 @@ DAMAGE = {
     "truncated engine plan": (lambda b: truncate(add_plan(b, "draft")), "draft/engine.plan", "truncated"),
     "manifest from a newer version": (
         lambda b: edit_manifest(b, lambda m: m.update(schema_version=SCHEMA_VERSION + 1)),
-        "manifest.json", "built by a newer ssd-trt: upgrade ssd-trt or rebuild"),
+        "manifest.json", "written by a newer ssd-trt"),
     "manifest from an older version": (lambda b: edit_manifest(b, lambda m: m.update(schema_version=0)),
-                                       "manifest.json", "schema version 0"),
+                                       "manifest.json", "written by an older ssd-trt (schema version 0"),
     "manifest without version": (lambda b: edit_manifest(b, lambda m: m.pop("schema_version")),
                                  "manifest.json", "schema version None"),
     "manifest not JSON": (lambda b: truncate(b / "manifest.json"), "manifest.json", "is corrupt"),

@@ -19,20 +19,21 @@ from ssd_trt.decoding import saguaro as saguaro_module
 from ssd_trt.decoding import speculative as speculative_module
 from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.sampling import Outcome, sample
+from ssd_trt.decoding.sampling import Outcome, filter_logits
 from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
 from ssd_trt.decoding.speculative import generate_speculative
+from tests.sampling_reference import reference_probs
 from tests.trigram import TrigramEngine, blend, random_log_table
 
 VOCAB, LENGTH, PROMPT = 5, 3, [0, 1]
 ROWS, CALLS = 2000, 4
 
 
-def exact_distribution(log_table: np.ndarray, temperature: float) -> dict[tuple[int, ...], float]:
-    """P(x_1..x_L | prompt) under softmax(log p / T), computed directly from the table."""
-    z = log_table / temperature
-    cond = np.exp(z - z.max(-1, keepdims=True))
-    cond /= cond.sum(-1, keepdims=True)
+def exact_distribution(log_table: np.ndarray, temperature: float, top_k: int = 0,
+                       top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_L | prompt) under the filtered softmax(log p / T), computed directly from the table with
+    the plain dense filters of tests/sampling_reference.py."""
+    cond = reference_probs(log_table, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
     out = {}
     for seq in itertools.product(range(VOCAB), repeat=LENGTH):
         context, prob = list(PROMPT), 1.0
@@ -56,11 +57,11 @@ def total_variation(samples: list[tuple[int, ...]], exact: dict) -> float:
     return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
 
 
-def draw(strategy, temperature: float, seed: int) -> tuple[list[tuple[int, ...]], list[dict]]:
+def draw(strategy, temperature: float, seed: int, **filters) -> tuple[list[tuple[int, ...]], list[dict]]:
     samples, stats = [], []
     for call in range(CALLS):
         params = SamplingParams(max_new_tokens=LENGTH, temperature=temperature, seed=seed + call,
-                                stop_on_eos=False)
+                                stop_on_eos=False, **filters)
         seqs = Sequences(params, frozenset(), ROWS)
         stats.append(strategy(seqs, np.random.default_rng(seed + call)))
         samples += [tuple(t) for t in seqs.tokens]
@@ -100,9 +101,9 @@ def run_ar():
     return strategy
 
 
-def assert_lossless(strategy, temperature: float, seed: int = 0) -> list[dict]:
-    exact = exact_distribution(TARGET, temperature)
-    samples, stats = draw(strategy, temperature, seed)
+def assert_lossless(strategy, temperature: float, seed: int = 0, **filters) -> list[dict]:
+    exact = exact_distribution(TARGET, temperature, **filters)
+    samples, stats = draw(strategy, temperature, seed, **filters)
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
     assert tv < 1.5 * floor + 0.005, f"TV {tv:.4f} exceeds the noise-floor threshold ({floor:.4f})"
     return stats
@@ -157,6 +158,21 @@ def test_non_uniform_fan_out_is_lossless():
     assert shapes and all(len(set(shape)) > 1 for shape in shapes)
 
 
+FILTERS = {"top-k 3": dict(top_k=3), "top-p 0.8": dict(top_p=0.8), "top-k 4, top-p 0.9": dict(top_k=4, top_p=0.9)}
+
+
+@pytest.mark.parametrize("filters", sorted(FILTERS))
+@pytest.mark.parametrize("strategy", ["sd chain", "sd tree", "ssd jit, C=0.5", "ssd ngram"])
+def test_top_k_and_top_p_sampling_is_lossless_in_every_strategy(strategy, filters):
+    """With filters the proposal q is sparse (the draft's top-k / nucleus support) and the target's p too;
+    verification must divide by exactly that q, and the residual must live on p's support."""
+    run = {"sd chain": run_sd(draft_len=3), "sd tree": run_sd(tree_widths=[2, 2]),
+           "ssd jit, C=0.5": run_ssd(backup="jit", saguaro_c=0.5), "ssd ngram": run_ssd(backup="ngram")}[strategy]
+    stats = assert_lossless(run, 1.0, **FILTERS[filters])
+    if strategy.startswith("ssd"):
+        assert all(0 < s["cache_hit_rate"] < 1 for s in stats)
+
+
 def test_saguaro_c_moves_bonus_tokens_into_the_cache():
     """Lower C should raise the cache hit rate (the point of Saguaro sampling), at T = 1."""
     rates = {}
@@ -166,15 +182,14 @@ def test_saguaro_c_moves_bonus_tokens_into_the_cache():
     assert rates[0.2] > rates[1.0]
 
 
-def planted_reference_bug(draft_tokens, draft_probs, target_logits, params, rng):
+def planted_reference_bug(draft_tokens, draft_q, target_logits, params, rng):
     """The reference code's synchronous-mode verification at T > 0: greedy acceptance, and the bonus
     drawn from p itself instead of norm(max(0, p - q)). Biased (TV ~ 0.06 in the paper's setting)."""
-    from ssd_trt.decoding.sampling import processed_probs
+    p = filter_logits(target_logits, params)
     for i, token in enumerate(draft_tokens):
-        p = processed_probs(target_logits[i], params)
-        if token != int(np.argmax(p)):
-            return Outcome(i, sample(p, rng))
-    return Outcome(len(draft_tokens), sample(processed_probs(target_logits[-1], params), rng))
+        if token != int(np.argmax(p[i].dense(target_logits.shape[-1]))):
+            return Outcome(i, int(p[i].sample(rng)))
+    return Outcome(len(draft_tokens), int(p[len(draft_tokens)].sample(rng)))
 
 
 def test_the_check_catches_the_reference_bias_bug(monkeypatch):

@@ -64,8 +64,9 @@ def tiny_step_graph(weights, layers=2, q_heads=4, kv_heads=2, dim=16, vocab=32, 
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, "tokens"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [batch, "tokens"]),
               helper.make_tensor_value_info("tree_mask", TensorProto.INT32, [batch, "tokens", "mask_words"]),
-              helper.make_tensor_value_info("cache_lengths", TensorProto.INT32, [batch])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, "tokens", vocab])]
+              helper.make_tensor_value_info("cache_lengths", TensorProto.INT32, [batch]),
+              helper.make_tensor_value_info("logit_indices", TensorProto.INT64, [batch, "logit_count"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, "logit_count", vocab])]
     for i in range(layers):
         h = f"h{i}"
         for proj, shape in (("q", "q"), ("k", "kv"), ("v", "kv")):
@@ -84,7 +85,15 @@ def tiny_step_graph(weights, layers=2, q_heads=4, kv_heads=2, dim=16, vocab=32, 
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", ftype, cache_dims))
             outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", ftype, cache_dims))
-    nodes += [helper.make_node("MatMul", [f"h{layers}", "lm_head"], ["logits_low"]),
+    inits += [numpy_helper.from_array(np.array([2], dtype=np.int64), "axis_2"),
+              numpy_helper.from_array(np.array([vocab], dtype=np.int64), "vocab_dim")]
+    nodes += [helper.make_node("MatMul", [f"h{layers}", "lm_head"], ["logits_every"]),
+              # logits of the tokens logit_indices picks: GatherElements over T with [B, L, V] indices
+              helper.make_node("Unsqueeze", ["logit_indices", "axis_2"], ["picked_3d"]),
+              helper.make_node("Shape", ["logit_indices"], ["picked_shape"]),
+              helper.make_node("Concat", ["picked_shape", "vocab_dim"], ["gather_shape"], axis=0),
+              helper.make_node("Expand", ["picked_3d", "gather_shape"], ["picked_full"]),
+              helper.make_node("GatherElements", ["logits_every", "picked_full"], ["logits_low"], axis=1),
               helper.make_node("Cast", ["logits_low"], ["logits"], to=TensorProto.FLOAT)]
     graph = helper.make_graph(nodes, "tiny_step", inputs, outputs, initializer=inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ssd", 1)])

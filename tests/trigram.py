@@ -30,7 +30,7 @@ class TrigramEngine:
     def lengths(self) -> np.ndarray:
         return self._lengths.copy()
 
-    def forward(self, input_ids, position_ids, tree_mask=None) -> np.ndarray:
+    def forward(self, input_ids, position_ids, tree_mask=None, logit_indices=None) -> np.ndarray:
         batch, num_new = input_ids.shape
         mask = np.tril(np.ones((num_new, num_new), dtype=bool))[None].repeat(batch, 0) \
             if tree_mask is None else np.asarray(tree_mask, dtype=bool)
@@ -43,7 +43,8 @@ class TrigramEngine:
                 previous[row, i] = input_ids[row, visible[-1]] if visible.size else last_cached
             self.tokens[row, start:start + num_new] = input_ids[row]
         self._lengths += num_new
-        return self.table[previous, input_ids]
+        logits = self.table[previous, input_ids]
+        return logits if logit_indices is None else np.take_along_axis(logits, np.asarray(logit_indices)[..., None], 1)
 
     def rollback(self, lengths) -> None:
         self._lengths = np.asarray(lengths, dtype=np.int32).copy()

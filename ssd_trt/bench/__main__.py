@@ -1,6 +1,9 @@
 """``python -m ssd_trt.bench BUILD_DIR``: this engine's modes and peer baselines, side by side, in one run.
 
-Writes results.json, PNG plots and a terminal table to --out. See README "Benchmarks" for the schema.
+For each sampling preset (greedy, T=0.7 top-p 0.9, T=1 top-k 50, or --temperature/--top-p/--top-k) and
+each hardware setting: SD's K and SSD's K and fan-out budget are swept on the tuning prompts (a split
+disjoint from the measured ones), then every mode runs the measured prompts. Writes results.json, PNG
+plots and a terminal table to --out. See README "Benchmarks" for the schema.
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ import sys
 from pathlib import Path
 
 import ssd_trt
-from ssd_trt.bench.prompts import DEFAULT_PROMPTS, load_prompts
+from ssd_trt.bench.prompts import DEFAULT_PROMPTS, TUNING_PROMPTS, load_prompts
 from ssd_trt.bench.runner import by_category, run_engine, run_hf, summarise
-from ssd_trt.bench.settings import SETTINGS
+from ssd_trt.bench.settings import PRESETS, SETTINGS, SamplingPreset
 from ssd_trt.bench.speed_model import predicted_speedup
 from ssd_trt.errors import SsdTrtError
 
@@ -31,12 +34,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baselines", default="hf,hf_assisted", help="comma list of hf, hf_assisted, or 'none'")
     p.add_argument("--settings", default="paper,equal", help="paper, equal (see bench/settings.py)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampling", default="greedy",
+                   help=f"comma list of presets: {', '.join(PRESETS)} (or use --temperature/--top-p/--top-k)")
+    p.add_argument("--temperature", type=float, default=None, help="one custom preset instead of --sampling")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--tuning-prompts", type=Path, default=TUNING_PROMPTS,
+                   help="JSONL the sweeps tune K / fan-out on (disjoint from --prompts)")
     p.add_argument("--chat", action="store_true", help="apply the chat template to every prompt")
     p.add_argument("--sd-k", default="2,3,4,6", help="K values swept for SD (best one is reported)")
     p.add_argument("--ssd-k", default="2,3,4", help="K values swept for SSD (best one is reported)")
     p.add_argument("--ssd-budget", default="6,8,12", help="fan-out budgets swept for SSD")
-    p.add_argument("--sweep-prompts", type=int, default=5, help="prompts used by the sweeps")
+    p.add_argument("--sweep-prompts", type=int, default=5, help="tuning prompts used by the sweeps")
     p.add_argument("--sweep-once", action="store_true",
                    help="sweep only under the first setting and reuse its best K / budget for the others")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -56,6 +65,15 @@ def choose_prompts(args):
     return prompts
 
 
+def presets(args) -> list[SamplingPreset]:
+    if args.temperature is not None:
+        return [SamplingPreset("custom", args.temperature, args.top_p, args.top_k)]
+    unknown = [name for name in args.sampling.split(",") if name not in PRESETS]
+    if unknown:
+        raise ValueError(f"unknown --sampling preset(s) {unknown}; choose from {', '.join(PRESETS)}")
+    return [PRESETS[name] for name in args.sampling.split(",")]
+
+
 def sweep(build_dir, setting, mode, prompts, encoded, params, ar_tps, values, make_kwargs):
     points = []
     for value in values:
@@ -67,21 +85,25 @@ def sweep(build_dir, setting, mode, prompts, encoded, params, ar_tps, values, ma
     return points
 
 
-def run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids, chosen: dict | None = None) -> dict:
+def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_ids,
+                chosen: dict | None = None) -> dict:
     build = args.build_dir
     modes = [m for m in args.modes.split(",") if m]
-    small, small_ids = prompts[:args.sweep_prompts], encoded[:args.sweep_prompts]
+    small, small_ids = tuning
     results, categories, runs_by_mode = {}, {}, {}
     ar_runs = run_engine(build, setting, "ar", prompts, encoded, params)
     runs_by_mode["ar"] = ar_runs
-    ar_small = summarise(ar_runs[:len(small)], None)   # the sweeps' AR reference
     sweeps: dict = {}
     chosen = dict(chosen or {})
+    ar_small: list = []
 
     def pick(key: str, label: str, mode: str, values: list[int], make_kwargs) -> int:
-        """The fastest value on the sweep prompts (swept once; reused when ``chosen`` has it)."""
+        """The fastest value on the tuning prompts (swept once; reused when ``chosen`` has it)."""
         if key not in chosen:
-            sweeps[label] = sweep(build, setting, mode, small, small_ids, params, ar_small["tokens_per_s"],
+            if not ar_small:    # the sweeps' AR reference, on the same tuning prompts
+                ar_small.append(summarise(run_engine(build, setting, "ar", small, small_ids, params,
+                                                     label="ar tuning"), None))
+            sweeps[label] = sweep(build, setting, mode, small, small_ids, params, ar_small[0]["tokens_per_s"],
                                   values, make_kwargs)
             chosen[key] = max(sweeps[label], key=lambda p: p["tokens_per_s"])["value"]
         return chosen[key]
@@ -100,9 +122,11 @@ def run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids, chose
     for name in [b for b in args.baselines.split(",") if b in BASELINES]:
         runs_by_mode[BASELINES[name]] = run_hf(target, draft if name == "hf_assisted" else None, setting, prompts,
                                                encoded, args.max_new_tokens, eos_ids, BASELINES[name])
+    # token-identical to AR is the check at T = 0; sampled modes are checked by their distribution (tests)
+    reference = ar_runs if params.greedy else None
     for mode, runs in runs_by_mode.items():
-        results[mode] = summarise(runs, ar_runs)
-        categories[mode] = by_category(runs, ar_runs)
+        results[mode] = summarise(runs, reference)
+        categories[mode] = by_category(runs, reference)
     for mode, summary in results.items():
         for base in ("ar", "sd", "hf_ar", "hf_assisted"):
             if base in results and base != mode and results[base]["tokens_per_s"]:
@@ -116,18 +140,24 @@ def run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids, chose
 
 
 def table(name: str, summary: dict) -> str:
-    head = f"{'mode':12s} {'tok/s':>7s} {'ttft':>6s} {'acc':>5s} {'hit':>5s} {'exact':>7s} {'xAR':>5s} {'xSD':>5s} " \
-           f"{'xHF':>5s} {'xHFas':>5s} {'ceil%':>6s}"
+    head = f"{'mode':12s} {'tok/s':>7s} {'ttft':>6s} {'acc':>5s} {'hit':>5s} {'draft':>6s} {'verif':>6s} " \
+           f"{'exact':>7s} {'xAR':>5s} {'xSD':>5s} {'xHF':>5s} {'xHFas':>5s} {'ceil%':>6s}"
     lines = [f"== {name} ==", head]
 
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    def ms(v):
+        return f(None if v is None else 1e3 * v, "6.1f")
     for mode, s in summary.items():
+        exact = "-" if s["exact_prompts"] is None else f"{s['exact_prompts']}/{s['prompts']}"
         lines.append(f"{mode:12s} {f(s['tokens_per_s'], '7.2f')} {f(s['ttft_s'], '6.3f')} {f(s['mean_accepted'], '5.2f')} "
-                     f"{f(s['cache_hit_rate'], '5.2f')} {str(s['exact_prompts']) + '/' + str(s['prompts']):>7s} "
-                     f"{f(s.get('speedup_vs_ar'), '5.2f')} {f(s.get('speedup_vs_sd'), '5.2f')} "
+                     f"{f(s['cache_hit_rate'], '5.2f')} {ms(s.get('draft_latency_s'))} {ms(s.get('verify_latency_s'))} "
+                     f"{exact:>7s} {f(s.get('speedup_vs_ar'), '5.2f')} {f(s.get('speedup_vs_sd'), '5.2f')} "
                      f"{f(s.get('speedup_vs_hf_ar'), '5.2f')} {f(s.get('speedup_vs_hf_assisted'), '5.2f')} "
                      f"{f(100 * s['ceiling_fraction'] if s['ceiling_fraction'] else None, '6.1f')}")
+    lines.append("(acc: draft tokens accepted per round; draft / verif: ms per round; exact: token-identical to ar "
+                 "at T = 0, '-' when sampling)")
     return "\n".join(lines)
 
 
@@ -135,9 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         probe = ssd_trt.load(args.build_dir)
-        params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
+        chosen_presets = presets(args)
         prompts = choose_prompts(args)
+        tuning_prompts = load_prompts(args.tuning_prompts)[:args.sweep_prompts]
+        overlap = {p.prompt for p in prompts} & {p.prompt for p in tuning_prompts}
+        if overlap:
+            raise ValueError(f"{len(overlap)} tuning prompt(s) also appear among the measured prompts; tune on a "
+                             f"disjoint split (--tuning-prompts)")
         encoded = [probe.encode(p.prompt, chat=args.chat) for p in prompts]
+        tuning = (tuning_prompts, [probe.encode(p.prompt, chat=args.chat) for p in tuning_prompts])
         eos_ids = sorted(probe.eos_ids)
         hf_pair = None
         if any(b in BASELINES for b in args.baselines.split(",")):
@@ -149,33 +185,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"config": {"build_dir": str(args.build_dir), "prompts_file": str(args.prompts), "prompts": len(prompts),
-                         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "chat": args.chat,
+                         "tuning_prompts_file": str(args.tuning_prompts), "tuning_prompts": len(tuning_prompts),
+                         "max_new_tokens": args.max_new_tokens, "chat": args.chat,
                          "date": datetime.datetime.now().isoformat(timespec="seconds"),
                          "machine": f"{platform.machine()} {platform.processor()} cpus={len(__import__('os').sched_getaffinity(0))}",
                          "hf_note": None if hf_pair is None else hf_pair[2],
-                         "weights": "fp32 in every mode and baseline"}}
+                         "weights": "fp32 in every mode and baseline"},
+              "presets": {}}
     from ssd_trt.bench import plots
-    chosen: dict = {}
-    for key in args.settings.split(","):
-        setting = SETTINGS[key]
-        outcome = run_setting(args, setting, prompts, encoded, params, hf_pair, eos_ids,
-                              chosen if args.sweep_once else None)
-        chosen = outcome["chosen"]
-        report.setdefault("chosen", {})[setting.name] = chosen
-        field = "summary" if key == "paper" else "summary_equal_cores"
-        report[field] = outcome["summary"]
-        report.setdefault("by_category", {})[setting.name] = outcome["by_category"]
-        report.setdefault("sweeps", {})[setting.name] = outcome["sweeps"]
-        report.setdefault("speed_model", {})[setting.name] = outcome["speed_model"]
-        report.setdefault("settings", {})[setting.name] = outcome["setting"]
-        plots.tokens_per_category(outcome["by_category"], args.out / f"tokens_per_category_{setting.name}.png",
-                                  f"tokens/s by category ({setting.name})")
-        if outcome["timeline"]:
-            plots.ssd_timeline(outcome["timeline"], args.out / f"ssd_timeline_{setting.name}.png")
-            report.setdefault("timeline", {})[setting.name] = outcome["timeline"][:40]
-        plots.sweeps(outcome["sweeps"], args.out / f"sweeps_{setting.name}.png")
-        print(table(f"{setting.name}: {setting.description}", outcome["summary"]), flush=True)
-        (args.out / "results.json").write_text(json.dumps(report, indent=1))
+    for preset in chosen_presets:
+        params = preset.params(args.max_new_tokens)
+        entry = report["presets"].setdefault(preset.name, {"params": preset.describe(), "settings": {}})
+        chosen: dict = {}
+        for key in args.settings.split(","):
+            setting = SETTINGS[key]
+            # transformers' baselines are greedy here: their sampled runs would use another random stream
+            baselines_args = argparse.Namespace(**{**vars(args), "baselines": args.baselines if params.greedy
+                                                    else "none"})
+            outcome = run_setting(baselines_args, setting, prompts, encoded, tuning, params, hf_pair, eos_ids,
+                                  chosen if args.sweep_once else None)
+            chosen = outcome["chosen"]
+            outcome["timeline"] = outcome["timeline"][:40]
+            entry["settings"][setting.name] = outcome
+            tag = f"{preset.name}_{setting.name}"
+            plots.tokens_per_category(outcome["by_category"], args.out / f"tokens_per_category_{tag}.png",
+                                      f"tokens/s by category ({preset.name}, {setting.name})")
+            if outcome["timeline"]:
+                plots.ssd_timeline(outcome["timeline"], args.out / f"ssd_timeline_{tag}.png")
+            plots.sweeps(outcome["sweeps"], args.out / f"sweeps_{tag}.png")
+            print(table(f"{preset.name}, {setting.name}: {setting.description}", outcome["summary"]), flush=True)
+            (args.out / "results.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out / 'results.json'} and plots")
     return 0
 

@@ -30,6 +30,30 @@ class Setting:
                               spin=True if mode == "ar" else None)
 
 
+@dataclass(frozen=True)
+class SamplingPreset:
+    """A decoding setting the benchmark reports on: greedy, or temperature with top-p / top-k."""
+    name: str
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def params(self, max_new_tokens: int, seed: int = 0):
+        from ssd_trt.decoding.params import SamplingParams
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=seed)
+
+    def describe(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+PRESETS = {preset.name: preset for preset in (
+    SamplingPreset("greedy"),
+    SamplingPreset("t0.7-p0.9", temperature=0.7, top_p=0.9),      # a common chat default
+    SamplingPreset("t1-k50", temperature=1.0, top_k=50),          # transformers' sampling default
+)}
+
+
 PAPER_STYLE = Setting("paper-style", "target on 1 core in every mode; SSD adds its draft on a 2nd core", 1)
 EQUAL_CORES = Setting("equal-cores", "every mode and baseline may use both cores", 2)
 SETTINGS = {"paper": PAPER_STYLE, "equal": EQUAL_CORES}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ssd_trt.decoding.batch import Sequences, first_tokens
-from ssd_trt.decoding.sampling import next_token
+from ssd_trt.decoding.sampling import next_tokens
 
 
 def generate_autoregressive(target, prompts: list[list[int]], seqs: Sequences,
@@ -19,6 +19,6 @@ def continue_autoregressive(target, seqs: Sequences, unfed: list[int], rng: np.r
     step = np.array(unfed, dtype=np.int64)
     while not seqs.all_done:
         logits = target.forward(step[:, None], target.lengths[:, None].astype(np.int64))[:, 0]
-        step = np.array([next_token(logits[row], seqs.params, rng) for row in range(len(step))])
+        step = next_tokens(logits, seqs.params, rng)
         for row, token in enumerate(step):
             seqs.commit(row, [int(token)])

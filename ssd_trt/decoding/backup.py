@@ -3,10 +3,11 @@
 Two users. (1) The near-zero-latency backup speculator: when the speculation cache misses at large
 batch, waiting for the neural draft stalls every sequence (all must hit: p_all = p_hit^b), so prompt
 lookup proposes the K tokens that followed the most recent earlier occurrence of the last n tokens
-(n = 3, 2, 1), in microseconds. A deterministic proposal is a point mass q = onehot(x): acceptance
-min(1, p(x)), residual p without x -- lossless. (2) Extra bonus-token guesses for the speculation
-cache (``lookup_followers``): text that quotes, summarises or edits its context repeats spans the
-small draft does not rank highly, and the token that followed the same n-gram earlier catches them.
+(n = 3, 2, 1), in microseconds. A deterministic proposal is a point mass q = onehot(x)
+(``TokenDistribution.point_mass``): acceptance min(1, p(x)), residual p without x -- lossless.
+(2) Extra bonus-token guesses for the speculation cache (``lookup_followers``): text that quotes,
+summarises or edits its context repeats spans the small draft does not rank highly, and the token that
+followed the same n-gram earlier catches them.
 """
 from __future__ import annotations
 
@@ -68,9 +69,3 @@ def ngram_proposal(context: list[int], draft_len: int, max_ngram: int = 3) -> li
             follow = context[starts[0] + size:starts[0] + size + draft_len]
             return (follow + [follow[-1]] * draft_len)[:draft_len]
     return [context[-1]] * draft_len
-
-
-def point_mass(tokens: list[int], vocab: int) -> np.ndarray:
-    probs = np.zeros((len(tokens), vocab))
-    probs[np.arange(len(tokens)), tokens] = 1.0
-    return probs

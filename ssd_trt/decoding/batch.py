@@ -58,36 +58,37 @@ class Sequences:
                 "ttft_s": None if self.first_token_at is None else self.first_token_at - self.started}
 
 
-def feed_rows(engine, rows: list[list[int]]) -> np.ndarray:
-    """Append a different number of tokens to each row; return logits [B, T_max, V] (row b valid to len_b).
+def feed_rows(engine, rows: list[list[int]], tail: int = 1) -> np.ndarray:
+    """Append a different number of tokens to each row; return the logits of each row's last ``tail``
+    tokens [B, tail, V] (every row must get at least ``tail`` tokens; only those pay the LM head).
 
     Rows are right-padded to one length and then rolled back: the causal mask keeps padding unseen by
-    real tokens, and the rollback drops its cache slots. Every row must get at least one token.
+    real tokens, and the rollback drops its cache slots.
     """
     batch = len(rows)
-    longest = max(len(r) for r in rows)
-    ids = np.zeros((batch, longest), dtype=np.int64)
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    ids = np.zeros((batch, int(lengths.max())), dtype=np.int64)
     for row, tokens in enumerate(rows):
         ids[row, :len(tokens)] = tokens
     start = engine.lengths
-    logits = engine.forward(ids, start[:, None] + np.arange(longest)[None, :])
-    engine.rollback(start + np.array([len(r) for r in rows], dtype=np.int32))
+    wanted = lengths[:, None] - tail + np.arange(tail)[None, :]           # ragged: per-row positions
+    logits = engine.forward(ids, start[:, None] + np.arange(ids.shape[1])[None, :], logit_indices=wanted)
+    engine.rollback(start + lengths.astype(np.int32))
     return logits
 
 
 def feed_ragged(engine, rows: list[list[int]]) -> np.ndarray:
-    """:func:`feed_rows`, returning only each row's last-position logits [B, V]."""
-    logits = feed_rows(engine, rows)
-    return logits[np.arange(len(rows)), np.array([len(r) for r in rows]) - 1]
+    """:func:`feed_rows`, returning each row's last-position logits [B, V]."""
+    return feed_rows(engine, rows, tail=1)[:, 0]
 
 
 
 def first_tokens(target, prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator) -> list[int]:
     """Reset the target, prefill every prompt, sample and commit each row's first token."""
-    from ssd_trt.decoding.sampling import next_token
+    from ssd_trt.decoding.sampling import next_tokens
     target.reset(len(prompts))
     logits = feed_ragged(target, prompts)
-    tokens = [next_token(logits[row], seqs.params, rng) for row in range(len(prompts))]
+    tokens = [int(t) for t in next_tokens(logits, seqs.params, rng)]
     for row, token in enumerate(tokens):
         seqs.commit(row, [token])
     return tokens

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ssd_trt.decoding.backup import lookup_followers, ngram_proposal, point_mass
-from ssd_trt.decoding.batch import Sequences, feed_rows, first_tokens
+from ssd_trt.decoding.backup import lookup_followers, ngram_proposal
+from ssd_trt.decoding.batch import Sequences, feed_ragged, feed_rows, first_tokens
 from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks, ranked_forks
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.sampling import processed_probs, sample, saguaro_probs, softmax, verify_chain
+from ssd_trt.decoding.sampling import TokenDistribution, filter_logits, softmax, verify_chain
 from ssd_trt.decoding.stats import RoundStats
+from ssd_trt.engines.base import last_indices
 from ssd_trt.errors import RequestError
 
 
@@ -77,14 +78,14 @@ class SaguaroConfig:
 @dataclass
 class Speculation:
     """K drafted tokens per row, the distributions they were drawn from, and where they came from."""
-    tokens: np.ndarray                  # [B, K] int64
-    probs: np.ndarray | None            # [B, K, V] (None when greedy)
-    sources: list[str]                  # per row: primary | jit | ngram
+    tokens: np.ndarray                           # [B, K] int64
+    dists: list[TokenDistribution] | None        # per row, K rows each (None when greedy)
+    sources: list[str]                           # per row: primary | jit | ngram
 
 
 @dataclass
 class SpeculationCache:
-    entries: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray | None]]
+    entries: dict[tuple[int, int, int], tuple[np.ndarray, TokenDistribution | None]]
     glue_logits: np.ndarray             # [B, K+1, V] the draft's view of the verified speculation
     started: float
     finished: float
@@ -114,20 +115,21 @@ class DraftWorker:
             self.history[row] += tokens
 
     def _flush_pending(self, extra: list[list[int]]) -> np.ndarray:
-        """Feed pending + extra tokens; keep pending in the cache; return logits over ``extra``."""
-        counts = [len(p) for p in self.pending]
-        logits = feed_rows(self.draft, [p + e for p, e in zip(self.pending, extra)])
-        self.draft.rollback(self.draft.lengths - np.array([len(e) for e in extra], dtype=np.int32))
-        out = np.stack([logits[row, counts[row]:counts[row] + len(extra[row])] for row in range(len(extra))])
+        """Feed pending + extra tokens (the same number for every row); keep pending in the cache;
+        return the logits over ``extra`` [B, len(extra[0]), V]."""
+        size = len(extra[0])
+        logits = feed_rows(self.draft, [p + e for p, e in zip(self.pending, extra)], tail=size)
+        self.draft.rollback(self.draft.lengths - size)
         self.pending = [[] for _ in extra]
-        return out
+        return logits
 
-    def _draw(self, logits: np.ndarray, fan_out: int) -> tuple[int, np.ndarray | None]:
-        """One speculation token from draft logits [V]: argmax, or a draw from sigma_{F+1,C}(q)."""
+    def _draw(self, logits: np.ndarray, fan_out: np.ndarray) -> tuple[np.ndarray, TokenDistribution | None]:
+        """Speculation tokens for every row of draft logits [..., V] at once: argmax, or draws from
+        sigma_{F+1,C}(q) where ``fan_out`` [...] is F, the guesses that will sit at each token's position."""
         if self.params.greedy:
-            return int(np.argmax(logits)), None
-        q = saguaro_probs(processed_probs(logits, self.params), fan_out + 1, self.config.saguaro_c)
-        return sample(q, self.rng), q
+            return np.argmax(logits, axis=-1).astype(np.int64), None
+        q = filter_logits(logits, self.params).boosted(np.asarray(fan_out) + 1, self.config.saguaro_c)
+        return q.sample(self.rng), q
 
     # -- the Saguaro round (draft side) ----------------------------------------------------------
     def speculate(self, bonus: list[int], spec: Speculation, shapes: list[list[int]]) -> SpeculationCache:
@@ -143,27 +145,28 @@ class DraftWorker:
         forks = [self._forks(row, glue_logits[row], glue[row], shapes[row]) for row in range(batch)]
         branches = len(forks[0])
 
-        # 3. tree decode: K steps over all branches at once (glue + earlier branch tokens re-fed)
+        # 3. tree decode: K steps over all branches at once (glue + earlier branch tokens re-fed);
+        #    every branch of every row draws its next token in one vectorised call
         tokens = np.zeros((batch, branches, K + 1), dtype=np.int64)   # [:, :, 0] is the fork token
-        probs = None if self.params.greedy else np.zeros((batch, branches, K, self.draft.spec.vocab_size))
         for row in range(batch):
             tokens[row, :, 0] = [t for _, t in forks[row]]
+        step_dists: list[TokenDistribution] = []
         for step in range(1, K + 1):
             ids, positions, mask = tree_step_inputs(glue, forks, tokens[:, :, :step], base)
-            logits = self.draft.forward(ids, positions, mask)[:, -branches:]   # the newest branch tokens
+            # logits for the newest branch tokens only (the re-fed glue and earlier tokens need none)
+            logits = self.draft.forward(ids, positions, mask, last_indices(batch, ids.shape[1], branches))
             self.draft.rollback(base)
-            for row in range(batch):
-                for n in range(branches):
-                    fan_next = shapes[row][step - 1]   # forks that will sit at this token's position
-                    tokens[row, n, step], q = self._draw(logits[row, n], fan_next)
-                    if q is not None:
-                        probs[row, n, step - 1] = q
+            fan_next = np.array([shapes[row][step - 1] for row in range(batch)])[:, None]  # forks at that position
+            tokens[:, :, step], q = self._draw(logits, np.broadcast_to(fan_next, (batch, branches)))
+            if q is not None:
+                step_dists.append(q)
+        dists = TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None  # [K, B, N]
 
         # 4. cache fill: (row, k, t*) -> the branch's K tokens and their draft distributions
         entries = {}
         for row in range(batch):
             for n, (j, t) in enumerate(forks[row]):
-                entries[(row, j, t)] = (tokens[row, n, 1:].copy(), None if probs is None else probs[row, n])
+                entries[(row, j, t)] = (tokens[row, n, 1:].copy(), None if dists is None else dists[:, row, n])
         return SpeculationCache(entries, glue_logits, started, time.perf_counter())
 
     def _forks(self, row: int, glue_logits: np.ndarray, glue: list[int], shape: list[int]) -> list[tuple[int, int]]:
@@ -175,27 +178,28 @@ class DraftWorker:
             return ranked_forks(glue_logits, glue[1:], shape, lookup)
         # the draft's odds for the outcome: plain softmax when greedy (T=0 has no distribution to mimic)
         probs = (softmax(glue_logits) if self.params.greedy
-                 else processed_probs(glue_logits, self.params))
+                 else filter_logits(glue_logits, self.params).dense(glue_logits.shape[-1]))
         return confident_forks(probs, glue[1:], sum(shape), lookup)
 
     def just_in_time(self, bonus: list[int], shapes: list[list[int]]) -> Speculation:
         """Neural backup: draft K tokens after each row's new bonus token, synchronously."""
         K, batch = self.config.draft_len, len(bonus)
         fed = [p + [b] for p, b in zip(self.pending, bonus)]       # pending prefix + the bonus token
-        logits = feed_rows(self.draft, fed)[np.arange(batch), [len(f) - 1 for f in fed]]
+        logits = feed_ragged(self.draft, fed)
         self.pending = [[] for _ in bonus]
         start = self.draft.lengths - 1                              # the prefix, without the bonus
         tokens = np.zeros((batch, K), dtype=np.int64)
-        probs = None if self.params.greedy else np.zeros((batch, K, self.draft.spec.vocab_size))
+        step_dists: list[TokenDistribution] = []
         for i in range(K):
-            for row in range(batch):
-                tokens[row, i], q = self._draw(logits[row], shapes[row][i])
-                if q is not None:
-                    probs[row, i] = q
+            tokens[:, i], q = self._draw(logits, np.array([shapes[row][i] for row in range(batch)]))
+            if q is not None:
+                step_dists.append(q)
             if i + 1 < K:
                 logits = self.draft.forward(tokens[:, i:i + 1], self.draft.lengths[:, None].astype(np.int64))[:, 0]
         self.draft.rollback(start)   # drop bonus + drafted tokens: the next glue decode re-reads them
-        return Speculation(tokens, probs, ["jit"] * batch)
+        dists = TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None  # [K, B]
+        return Speculation(tokens, None if dists is None else [dists[:, row] for row in range(batch)],
+                           ["jit"] * batch)
 
 
 def tree_step_inputs(glue: list[list[int]], forks: list[list[tuple[int, int]]], branch_tokens: np.ndarray,
@@ -274,7 +278,7 @@ def saguaro_rounds(pool: ThreadPoolExecutor, target, worker: DraftWorker, planne
         start = target.lengths
         feed = np.concatenate([np.array(bonus)[:, None], spec.tokens], axis=1)
         logits = target.forward(feed, start[:, None] + np.arange(K + 1)[None, :])
-        outcomes = [verify_chain(spec.tokens[row], None if spec.probs is None else spec.probs[row],
+        outcomes = [verify_chain(spec.tokens[row], None if spec.dists is None else spec.dists[row],
                                  logits[row], params, rng) for row in range(batch)]
         t_verified = time.perf_counter()
         new_lengths = start.copy()
@@ -296,7 +300,7 @@ def saguaro_rounds(pool: ThreadPoolExecutor, target, worker: DraftWorker, planne
             return finish_without_draft(target, seqs, [o.bonus for o in outcomes], rng, stats, failure)
         t_looked_up = time.perf_counter()
         next_tokens = np.zeros((batch, K), dtype=np.int64)
-        next_probs = None if params.greedy else np.zeros((batch, K, target.spec.vocab_size))
+        next_dists: list[TokenDistribution | None] | None = None if params.greedy else [None] * batch
         sources, missed = [], []
         for row, outcome in enumerate(outcomes):
             key = (row, outcome.accepted, outcome.bonus)
@@ -309,9 +313,9 @@ def saguaro_rounds(pool: ThreadPoolExecutor, target, worker: DraftWorker, planne
             hit = key in cache.entries
             stats.record_lookup(outcome.accepted, hit)
             if hit:
-                next_tokens[row], row_probs = cache.entries[key]
-                if next_probs is not None:
-                    next_probs[row] = row_probs
+                next_tokens[row], row_dist = cache.entries[key]
+                if next_dists is not None:
+                    next_dists[row] = row_dist
                 sources.append("primary")
             else:
                 missed.append(row)
@@ -329,14 +333,14 @@ def saguaro_rounds(pool: ThreadPoolExecutor, target, worker: DraftWorker, planne
                 return finish_without_draft(target, seqs, bonus, rng, stats, failure)
             for row in missed:
                 next_tokens[row] = backup.tokens[row]
-                if next_probs is not None:
-                    next_probs[row] = backup.probs[row]
+                if next_dists is not None:
+                    next_dists[row] = backup.dists[row]
         elif missed:
             for row in missed:
                 context = prompts[row] + seqs.tokens[row]
                 next_tokens[row] = ngram_proposal(context, K)
-                if next_probs is not None:
-                    next_probs[row] = point_mass(list(next_tokens[row]), target.spec.vocab_size)
+                if next_dists is not None:
+                    next_dists[row] = TokenDistribution.point_mass(next_tokens[row])
         for row in missed:
             stats.backup_rounds[sources[row]] += 1
         t_done = time.perf_counter()
@@ -347,7 +351,10 @@ def saguaro_rounds(pool: ThreadPoolExecutor, target, worker: DraftWorker, planne
                          "submitted": t_submit - seqs.started, "hits": batch - len(missed),
                          "backup": len(missed), "backup_s": t_done - t_looked_up,
                          "accepted": [o.accepted for o in outcomes], "source": list(spec.sources)})
-        spec = Speculation(next_tokens, next_probs, sources)
+        if next_dists is not None:   # finished rows keep a placeholder (their outcome is never committed)
+            next_dists = [d if d is not None else TokenDistribution.point_mass(next_tokens[row])
+                          for row, d in enumerate(next_dists)]
+        spec = Speculation(next_tokens, next_dists, sources)
         round_index += 1
     summary = stats.summary()
     summary.update(overlap_summary(timeline))

@@ -14,32 +14,36 @@ import numpy as np
 
 from ssd_trt.decoding.batch import Sequences, feed_ragged, first_tokens
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.sampling import (next_token, processed_probs, sample, top_tokens, verify_chain,
+from ssd_trt.decoding.sampling import (TokenDistribution, filter_logits, next_tokens, top_tokens, verify_chain,
                                        verify_tree_children)
 from ssd_trt.decoding.stats import RoundStats
 
 
 def draft_chain(draft, pending: list[list[int]], num_tokens: int, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
-    """Feed each row's pending tokens, then draft ``num_tokens`` more. Returns tokens [B,K], probs [B,K,V].
+                rng: np.random.Generator) -> tuple[np.ndarray, list[TokenDistribution] | None]:
+    """Feed each row's pending tokens, then draft ``num_tokens`` more. Returns tokens [B,K] and, when
+    sampling, each row's K distributions the tokens were drawn from (every row drawn at once per step).
 
     The last drafted token is not fed (the target verifies it first), so after this the draft's cache
     holds the pending tokens plus s_1..s_{K-1}.
     """
     batch = len(pending)
     tokens = np.zeros((batch, num_tokens), dtype=np.int64)
-    probs = None if params.greedy else np.zeros((batch, num_tokens, draft.spec.vocab_size))
+    step_dists: list[TokenDistribution] = []
     logits = feed_ragged(draft, pending)
     for i in range(num_tokens):
-        for row in range(batch):
-            if params.greedy:
-                tokens[row, i] = int(np.argmax(logits[row]))
-            else:
-                probs[row, i] = processed_probs(logits[row], params)
-                tokens[row, i] = sample(probs[row, i], rng)
+        if params.greedy:
+            tokens[:, i] = np.argmax(logits, axis=-1)
+        else:
+            q = filter_logits(logits, params)
+            tokens[:, i] = q.sample(rng)
+            step_dists.append(q)
         if i + 1 < num_tokens:
             logits = draft.forward(tokens[:, i:i + 1], draft.lengths[:, None].astype(np.int64))[:, 0]
-    return tokens, probs
+    if params.greedy:
+        return tokens, None
+    dists = TokenDistribution.stack(step_dists, draft.spec.vocab_size)          # [K, B]
+    return tokens, [dists[:, row] for row in range(batch)]
 
 
 def generate_speculative(target, draft, prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator,
@@ -114,8 +118,8 @@ def generate_tree_speculative(target, draft, prompts: list[list[int]], seqs: Seq
                         top = top_tokens(logits, len(siblings))
                         nodes[row, n] = top[siblings.index(n)]
                     else:
-                        q = node_probs.setdefault((row, parent), processed_probs(logits, params))
-                        nodes[row, n] = sample(q, rng)
+                        q = node_probs.setdefault((row, parent), filter_logits(logits[None], params)[0])
+                        nodes[row, n] = int(q.sample(rng))
             if depth < len(tree_widths):                 # feed this level to get its children's logits
                 draft.rollback(base)
                 feed_nodes = [n for n in range(1, num_nodes) if depth_of[n] <= depth]
@@ -141,11 +145,12 @@ def generate_tree_speculative(target, draft, prompts: list[list[int]], seqs: Seq
             while extra is None:
                 children = [m for m in range(num_nodes) if parents[m] == node]
                 if not children:
-                    extra = next_token(logits[row, node], params, rng)
+                    extra = int(next_tokens(logits[row, node][None], params, rng)[0])
                     break
-                p = logits[row, node] if params.greedy else processed_probs(logits[row, node], params)
+                p = None if params.greedy else filter_logits(logits[row, node][None], params)[0]
                 chosen, extra = verify_tree_children([int(nodes[row, m]) for m in children],
-                                                     node_probs.get((row, node)), p, params, rng)
+                                                     node_probs.get((row, node)), p,
+                                                     logits[row, node] if params.greedy else None, rng)
                 if chosen is not None:
                     node = children[chosen]
                     path.append(node)

@@ -7,8 +7,10 @@ Strategies (autoregressive, speculative, saguaro) only ever talk to this interfa
 Step-graph I/O (identical for every backend, names shared with the exported ONNX):
   inputs   input_ids [B,T] int64, position_ids [B,T] int64, tree_mask [B,T,ceil(T/32)] int32
            (packed bits, see plugins/tree_attention/reference.py), cache_lengths [B] int32,
-           past_key_{i}, past_value_{i} [B,Hkv,S,D] float32 for layer i
-  outputs  logits [B,T,V] float32, present_key_{i}, present_value_{i} [B,Hkv,S,D] (the caches with
+           logit_indices [B,L] int64 (which of the T new tokens get logits: a step pays the LM head
+           only where the strategy reads it, e.g. a prompt's last token, an SSD tree step's newest
+           branch tokens), past_key_{i}, past_value_{i} [B,Hkv,S,D] float32 for layer i
+  outputs  logits [B,L,V] float32, present_key_{i}, present_value_{i} [B,Hkv,S,D] (the caches with
            the T new entries written at slots cache_lengths[b] .. cache_lengths[b]+T-1)
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-GRAPH_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths")
+GRAPH_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "logit_indices")
 GRAPH_OUTPUT_LOGITS = "logits"
 
 
@@ -52,11 +54,12 @@ class Engine(Protocol):
     def lengths(self) -> np.ndarray:
         """Current cache length of every row, int32 [B] (a copy)."""
 
-    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray,
-                tree_mask: np.ndarray | None = None) -> np.ndarray:
-        """Append ``input_ids`` [B,T] to every row and return logits float32 [B,T,V].
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
+                logit_indices: np.ndarray | None = None) -> np.ndarray:
+        """Append ``input_ids`` [B,T] to every row and return logits float32 [B,L,V].
 
         ``tree_mask`` is bool [B,T,T] (token i may see new token j); None means causal (chain).
+        ``logit_indices`` [B,L] picks the new tokens whose logits are returned (None: all T, L = T).
         """
 
     def rollback(self, lengths: np.ndarray) -> None:
@@ -65,3 +68,13 @@ class Engine(Protocol):
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         """After a tree step: keep slots ``start + offsets[i]`` of ``row`` as slots ``start + i``
         (the accepted path) and set that row's length to ``start + len(offsets)``."""
+
+
+def all_indices(batch: int, tokens: int) -> np.ndarray:
+    """``logit_indices`` for every new token of a step: [B, T] int64."""
+    return np.broadcast_to(np.arange(tokens, dtype=np.int64), (batch, tokens))
+
+
+def last_indices(batch: int, tokens: int, count: int) -> np.ndarray:
+    """``logit_indices`` for the last ``count`` new tokens of a step: [B, count] int64."""
+    return np.broadcast_to(np.arange(tokens - count, tokens, dtype=np.int64), (batch, count))

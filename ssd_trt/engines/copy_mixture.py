@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ssd_trt.decoding.backup import longest_match
-from ssd_trt.engines.base import EngineSpec
+from ssd_trt.engines.base import EngineSpec, all_indices
 from ssd_trt.errors import ArtifactError
 
 
@@ -105,21 +105,22 @@ class CopyMixtureEngine:
     def lengths(self) -> np.ndarray:
         return self.inner.lengths
 
-    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray,
-                tree_mask: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
+                logit_indices: np.ndarray | None = None) -> np.ndarray:
         start = self.inner.lengths
-        logits = self.inner.forward(input_ids, position_ids, tree_mask)
-        if logits.shape[:2] != input_ids.shape:   # malformed: left for the strategy's checks to report
+        logits = self.inner.forward(input_ids, position_ids, tree_mask, logit_indices)
+        batch, steps = input_ids.shape
+        indices = all_indices(batch, steps) if logit_indices is None else np.asarray(logit_indices)
+        if logits.shape[:2] != indices.shape:   # malformed: left for the strategy's checks to report
             return logits
         if not logits.flags.writeable:
             logits = logits.copy()
-        steps = input_ids.shape[1]
-        for row in range(input_ids.shape[0]):
+        for row in range(batch):
             prefix = self._slots[row, :start[row]]
-            for i in range(steps):
+            for column, i in enumerate(indices[row]):       # only the tokens whose logits are read
                 path = (input_ids[row, :i + 1] if tree_mask is None
                         else input_ids[row, :i + 1][tree_mask[row, i, :i + 1]])
-                self.mixture.apply(logits[row, i], np.concatenate([prefix, path]))
+                self.mixture.apply(logits[row, column], np.concatenate([prefix, path]))
             self._slots[row, start[row]:start[row] + steps] = input_ids[row]
         return logits
 

@@ -69,6 +69,7 @@ class StepBuffers:
             "position_ids": torch.zeros((rows, tokens), dtype=torch.int64, device=device),
             "tree_mask": torch.zeros((rows, tokens, words), dtype=torch.int32, device=device),
             "cache_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
+            "logit_indices": torch.zeros((rows, tokens), dtype=torch.int64, device=device),
         }
         self.logits = torch.empty((rows, tokens, vocab_size), dtype=logits_dtype, device=device)
 
@@ -131,9 +132,11 @@ class DeviceStepEngine:
     def lengths(self) -> np.ndarray:
         return self._lengths.copy()
 
-    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray,
-                tree_mask: np.ndarray | None = None) -> np.ndarray:
-        """Append ``input_ids`` [B,T] to every row; return float32 logits [B,T,V]."""
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
+                logit_indices: np.ndarray | None = None) -> np.ndarray:
+        """Append ``input_ids`` [B,T] to every row; return float32 logits [B,L,V] (``logit_indices`` [B,L];
+        None: all T). On a device the step computes every position's logits (the LM head is cheap there,
+        and one static shape per bucket keeps CUDA graphs simple); the pick happens on the host."""
         ids = np.asarray(input_ids, dtype=np.int64)
         positions = np.asarray(position_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[0] != len(self._lengths) or positions.shape != ids.shape:
@@ -169,7 +172,9 @@ class DeviceStepEngine:
         self.last_step_ms = self._events[0].elapsed_time(self._events[1]) if self._events else \
             (time.perf_counter() - started) * 1000.0
         self._lengths = self._lengths + tokens
-        return logits.numpy()
+        if logit_indices is None:
+            return logits.numpy()
+        return np.take_along_axis(logits.numpy(), np.asarray(logit_indices, dtype=np.int64)[..., None], axis=1)
 
     def rollback(self, lengths: np.ndarray) -> None:
         """Truncate every row to ``lengths`` [B] (<= current): later steps overwrite the tail."""

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
-from ssd_trt.engines.base import EngineSpec, past_names, present_names
+from ssd_trt.engines.base import EngineSpec, all_indices, past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
 
 
@@ -62,8 +62,8 @@ class OrtEngine:
     def lengths(self) -> np.ndarray:
         return self.cache.lengths.copy()
 
-    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray,
-                tree_mask: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
+                logit_indices: np.ndarray | None = None) -> np.ndarray:
         cache = self.cache
         batch, num_new = input_ids.shape
         if batch != cache.batch:
@@ -76,6 +76,8 @@ class OrtEngine:
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         binding.bind_cpu_input("tree_mask", packed)
         binding.bind_cpu_input("cache_lengths", cache.lengths)
+        binding.bind_cpu_input("logit_indices", np.ascontiguousarray(
+            all_indices(batch, num_new) if logit_indices is None else logit_indices, dtype=np.int64))
         binding.bind_output("logits")  # first bound output: get_outputs()[0]
         for layer in range(self.spec.num_layers):
             for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):

@@ -72,5 +72,6 @@ class TorchDeviceEngine(DeviceStepEngine):
         inputs = buffers.inputs
         with torch.no_grad():
             logits, *_ = self.model(inputs["input_ids"], inputs["position_ids"], inputs["tree_mask"],
-                                    inputs["cache_lengths"], *caches, attention=self._attention)
+                                    inputs["cache_lengths"], *caches, attention=self._attention,
+                                    logit_indices=inputs["logit_indices"])
             buffers.logits.copy_(logits)

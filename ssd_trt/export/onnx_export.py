@@ -53,25 +53,37 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
+class _StepGraph(torch.nn.Module):
+    """The decoder with ``logit_indices`` as a positional input, in the graph's input order."""
+
+    def __init__(self, model: Decoder) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, tree_mask, cache_lengths, logit_indices, *caches):
+        return self.model(input_ids, position_ids, tree_mask, cache_lengths, *caches, logit_indices=logit_indices)
+
+
 def trace_step_graph(model: Decoder) -> onnx.ModelProto:
-    """Trace the step graph with dynamic batch, new-token count, mask words and cache capacity."""
+    """Trace the step graph with dynamic batch, new-token count, logit count, mask words and cache capacity."""
     _register_symbolic()
     batch, num_new, capacity = 2, 3, 8
     args = (torch.zeros(batch, num_new, dtype=torch.int64),
             torch.arange(num_new).repeat(batch, 1),
             torch.from_numpy(causal_tree_mask(batch, num_new)),
             torch.zeros(batch, dtype=torch.int32),
+            torch.tensor([[1, 2]] * batch, dtype=torch.int64),
             *model.empty_caches(batch, capacity))
     inputs, outputs = io_names(model.config.num_layers)
     dynamic = {"input_ids": {0: "batch", 1: "new_tokens"}, "position_ids": {0: "batch", 1: "new_tokens"},
                "tree_mask": {0: "batch", 1: "new_tokens", 2: "mask_words"}, "cache_lengths": {0: "batch"},
-               "logits": {0: "batch", 1: "new_tokens"}}
-    for name in inputs[4:] + outputs[1:]:
+               "logit_indices": {0: "batch", 1: "logit_count"}, "logits": {0: "batch", 1: "logit_count"}}
+    for name in inputs[len(GRAPH_INPUTS):] + outputs[1:]:
         dynamic[name] = {0: "batch", 2: "capacity"}
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, args, buffer, input_names=inputs, output_names=outputs,
+        torch.onnx.export(_StepGraph(model), args, buffer, input_names=inputs, output_names=outputs,
                           dynamic_axes=dynamic, opset_version=OPSET, dynamo=False,
                           custom_opsets={DOMAIN: 1}, do_constant_folding=True)
     return onnx.load_from_string(buffer.getvalue())

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from plugins.tree_attention.reference import pack_tree_mask
+from ssd_trt.engines.base import GRAPH_INPUTS
 from ssd_trt.export.onnx_export import io_names
 from ssd_trt.models.decoder import Decoder
 
@@ -26,10 +27,12 @@ def sample_feeds(model: Decoder, batch: int, num_new: int, seed: int) -> Ordered
     capacity = 16 + num_new
     lengths = rng.integers(0, capacity - num_new + 1, size=batch).astype(np.int32)
     mask = np.tril(rng.random((batch, num_new, num_new)) < 0.6) | np.eye(num_new, dtype=bool)
+    # logits for a random, ragged choice of the new tokens (every token when there is only one)
+    picked = np.sort(rng.permuted(np.tile(np.arange(num_new), (batch, 1)), axis=1)[:, :max(1, num_new // 2)], axis=1)
     feeds = OrderedDict(input_ids=rng.integers(0, c.vocab_size, (batch, num_new)).astype(np.int64),
                         position_ids=(lengths[:, None] + np.arange(num_new)[None]).astype(np.int64),
-                        tree_mask=pack_tree_mask(mask), cache_lengths=lengths)
-    names = io_names(c.num_layers)[0][4:]
+                        tree_mask=pack_tree_mask(mask), cache_lengths=lengths, logit_indices=picked.astype(np.int64))
+    names = io_names(c.num_layers)[0][len(GRAPH_INPUTS):]
     for name in names:
         feeds[name] = rng.standard_normal((batch, c.num_kv_heads, capacity, c.head_dim)).astype(np.float32)
     return feeds
@@ -61,8 +64,11 @@ def _torch_runner(model: Decoder, example: OrderedDict):
         def infer_impl(self, feed_dict):
             start = time.perf_counter()
             with torch.no_grad():
-                names = io_names(model.config.num_layers)[0]
-                outputs = model(*(torch.from_numpy(np.ascontiguousarray(feed_dict[n])) for n in names))
+                tensors = {n: torch.from_numpy(np.ascontiguousarray(feed_dict[n]))
+                           for n in io_names(model.config.num_layers)[0]}
+                caches = [tensors[n] for n in io_names(model.config.num_layers)[0][len(GRAPH_INPUTS):]]
+                outputs = model(tensors["input_ids"], tensors["position_ids"], tensors["tree_mask"],
+                                tensors["cache_lengths"], *caches, logit_indices=tensors["logit_indices"])
             self.inference_time = time.perf_counter() - start
             return OrderedDict((name, out.numpy()) for name, out in zip(self.output_names, outputs))
 

@@ -115,6 +115,9 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """The step graph: (input_ids, position_ids, tree_mask, cache_lengths, *caches) -> (logits, *caches).
 
+    ``logit_indices`` [B, L] (keyword) picks the new tokens whose logits are computed (None: all of them);
+    the exported graph takes it as an input (``export/onnx_export.py``).
+
     ``caches`` alternates key/value per layer: past_key_0, past_value_0, past_key_1, ...
     """
 
@@ -147,7 +150,8 @@ class Decoder(nn.Module):
         return full.scatter(-1, index, logits)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree_mask: torch.Tensor,
-                cache_lengths: torch.Tensor, *caches: torch.Tensor, attention: AttentionFn = tree_attention):
+                cache_lengths: torch.Tensor, *caches: torch.Tensor, attention: AttentionFn = tree_attention,
+                logit_indices: torch.Tensor | None = None):
         """``attention`` runs ``ssd::tree_attention``: the custom op by default (what the exporters trace);
         the GPU runtime passes the Triton kernel updating the caches in place (``engines/device_step.py``)."""
         if len(caches) != 2 * self.config.num_layers:
@@ -161,6 +165,8 @@ class Decoder(nn.Module):
             x, key_cache, value_cache = layer(x, cos, sin, cache_lengths, tree_mask,
                                               caches[2 * i], caches[2 * i + 1], attention)
             new_caches += [key_cache, value_cache]
+        if logit_indices is not None:   # only these tokens pay the final norm and the LM head
+            x = torch.gather(x, 1, logit_indices[..., None].expand(-1, -1, x.shape[-1]))
         return (self.head(self.norm(x)), *new_caches)
 
     def empty_caches(self, batch: int, capacity: int) -> list[torch.Tensor]:

@@ -4,8 +4,8 @@ Derived from the graph itself (an ONNX model before the build, a TensorRT engine
 checked against the step-graph contract of :mod:`ssd_trt.engines.base`:
 
   inputs   input_ids [B,T] int64, position_ids [B,T] int64, tree_mask [B,T,W] int32,
-           cache_lengths [B] int32, past_key_i / past_value_i [B,Hkv,S,D] float
-  outputs  logits [B,T,V] float, present_key_i / present_value_i [B,Hkv,S,D] (same type as past)
+           cache_lengths [B] int32, logit_indices [B,L] int64, past_key_i / past_value_i [B,Hkv,S,D] float
+  outputs  logits [B,L,V] float (L = T as the GPU runtime binds it), present_key_i / present_value_i [B,Hkv,S,D] (same type as past)
 
 Each dimension has a *role* (batch, tokens, mask_words, capacity, kv_heads, head_dim, vocab). The
 runtime's shapes come from roles, never from the exporter's symbolic dimension names; kv_heads,
@@ -39,6 +39,8 @@ _FIXED_ROLES = {
     "position_ids": (("batch", "tokens"), ("int64",)),
     "tree_mask": (("batch", "tokens", "mask_words"), ("int32",)),
     "cache_lengths": (("batch",), ("int32",)),
+    # the GPU runtime asks for every position's logits (L = T, picked on the host): same role as the tokens
+    "logit_indices": (("batch", "tokens"), ("int64",)),
     GRAPH_OUTPUT_LOGITS: (("batch", "tokens", "vocab"), FLOAT_TYPES),
 }
 _CACHE_NAME = re.compile(r"^(past|present)_(key|value)_(\d+)$")

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from plugins.tree_attention.reference import pack_tree_mask
+from ssd_trt.engines.base import all_indices
 from ssd_trt.trt.profiles import Profile
 
 
@@ -147,4 +148,4 @@ def pad_step(input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndar
     cache_lengths = np.zeros(rows, dtype=np.int32)
     cache_lengths[:batch] = lengths
     return {"input_ids": ids, "position_ids": positions, "tree_mask": pack_tree_mask(mask),
-            "cache_lengths": cache_lengths}
+            "cache_lengths": cache_lengths, "logit_indices": all_indices(rows, tokens).copy()}

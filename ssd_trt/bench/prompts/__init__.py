@@ -13,10 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_PROMPTS", "CATEGORIES", "Prompt", "load_prompts", "round_robin"]
+__all__ = ["DEFAULT_PROMPTS", "TUNING_PROMPTS", "CATEGORIES", "Prompt", "load_prompts", "round_robin"]
 
 DEFAULT_PROMPTS: Path = Path(__file__).parent / "default.jsonl"
 """The project's default prompt set (about 20 prompts in each of ``CATEGORIES``)."""
+
+TUNING_PROMPTS: Path = Path(__file__).parent / "tuning.jsonl"
+"""The tuning split: 2 prompts per category, disjoint from :data:`DEFAULT_PROMPTS`; the benchmark tunes
+K and the fan-out budget on it, never on the prompts it reports."""
 
 CATEGORIES: tuple[str, ...] = ("code", "chat", "math", "prose", "summarization")
 """The categories used in :data:`DEFAULT_PROMPTS`."""

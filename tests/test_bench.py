@@ -1,0 +1,58 @@
+"""`python -m ssd_trt.bench`: presets x settings, tuning on a split it does not report, results.json and plots."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompts_file(path: Path, words: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"{path.stem}-{i}", "category": "prose", "prompt": w}) + "\n"
+                            for i, w in enumerate(words)))
+    return path
+
+
+def bench(build: Path, tmp_path: Path, measured: Path, tuning: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ssd_trt.bench", str(build), "--prompts", str(measured),
+                           "--tuning-prompts", str(tuning), "--settings", "paper", "--baselines", "none",
+                           "--max-new-tokens", "6", "--sd-k", "1,2", "--ssd-k", "2", "--ssd-budget", "4",
+                           "--sweep-prompts", "1", "--out", str(tmp_path / "out"), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_bench_reports_every_preset_tunes_on_the_tuning_split_and_plots(tiny_pairs, tmp_path):
+    measured = prompts_file(tmp_path / "measured.jsonl", ["w1 w2 w3", "w4 w5 w6"])
+    tuning = prompts_file(tmp_path / "tuning.jsonl", ["w7 w8 w9"])
+    result = bench(tiny_pairs["perturbed"], tmp_path, measured, tuning, "--sampling", "greedy,t1-k50")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert report["config"]["tuning_prompts"] == 1 and report["config"]["prompts"] == 2
+    assert set(report["presets"]) == {"greedy", "t1-k50"}
+    assert report["presets"]["t1-k50"]["params"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+    for name, preset in report["presets"].items():
+        outcome = preset["settings"]["paper-style"]
+        summary = outcome["summary"]
+        assert set(summary) == {"ar", "sd", "ssd"}
+        assert [p["value"] for p in outcome["sweeps"]["sd: K"]] == [1, 2]          # swept ...
+        assert outcome["chosen"]["sd_k"] in (1, 2) and outcome["chosen"]["ssd_k"] == 2
+        for mode in ("sd", "ssd"):
+            assert summary[mode]["prompts"] == 2 and summary[mode]["mean_accepted"] is not None
+            assert summary[mode]["draft_latency_s"] > 0 and summary[mode]["verify_latency_s"] > 0
+        assert summary["ssd"]["cache_hit_rate"] is not None
+        # exactness against AR is reported at T = 0 only (sampled modes draw from other random streams)
+        assert all(s["exact_prompts"] == (2 if name == "greedy" else None) for s in summary.values())
+        for plot in ("tokens_per_category", "ssd_timeline", "sweeps"):
+            assert (tmp_path / "out" / f"{plot}_{name}_paper-style.png").read_bytes()[:4] == b"\x89PNG"
+    assert "t1-k50, paper-style" in result.stdout and "exact" in result.stdout
+
+
+def test_bench_refuses_to_tune_on_the_prompts_it_reports(tiny_pairs, tmp_path):
+    measured = prompts_file(tmp_path / "measured.jsonl", ["w1 w2 w3", "w4 w5 w6"])
+    result = bench(tiny_pairs["perturbed"], tmp_path, measured, measured)
+    assert result.returncode == 2 and "disjoint" in result.stderr and "Traceback" not in result.stderr
+    result = bench(tiny_pairs["perturbed"], tmp_path, measured, prompts_file(tmp_path / "t.jsonl", ["w9"]),
+                   "--sampling", "nucleus")
+    assert result.returncode == 2 and "unknown --sampling preset" in result.stderr

@@ -1,0 +1,129 @@
+"""Sampling through the real ONNX Runtime engines is lossless at the settings people use.
+
+A tiny random-weight pair built by the real build (target + a perturbed copy as draft, max batch 64) runs
+ar, sd and ssd at T=0.7 top-p 0.9 and T=1 top-k 50; the empirical distribution of the first two generated
+tokens is compared with the exact one, computed from the torch decoder's logits and the plain dense
+filter (tests/sampling_reference.py) -- independent of the runtime's sparse, batched sampling. Thresholds
+come from the noise floor (tests/test_sampling_lossless.py). The reference code's planted bias must fail
+the same check.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ssd_trt
+from ssd_trt.decoding import speculative as speculative_module
+from ssd_trt.runtime import RuntimeOptions
+from tests.helpers import perturbed, random_decoder, save_hf_checkpoint, tiny_config, write_recipe
+from tests.sampling_reference import reference_probs
+from tests.test_sampling_lossless import noise_floor, planted_reference_bug, total_variation
+
+PROMPT = [5, 17, 42, 9]
+ROWS, CALLS = 64, 80
+SETTINGS = {"t0.7-p0.9": dict(temperature=0.7, top_p=0.9), "t1-k50": dict(temperature=1.0, top_k=50)}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from ssd_trt.build import build
+    root = tmp_path_factory.mktemp("tv")
+    # a head half as sharp as the other tiny pairs': several tokens carry mass, so the filters bite
+    # (19 outcomes of the first two tokens at T=0.7 top-p 0.9, 2,500 at T=1 top-k 50)
+    target = random_decoder(tiny_config(), seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.5)
+    draft = perturbed(target, seed=4, amount=0.1)     # SD accepts ~0.6-0.8 of a token per round here
+    recipe = write_recipe(root / "tv.yaml", save_hf_checkpoint(target, root / "target"),
+                          save_hf_checkpoint(draft, root / "draft"), name="tv", max_batch=ROWS)
+    return build(recipe, root=root), target
+
+
+def exact_tokens(target, params: ssd_trt.SamplingParams, length: int = 2) -> dict[tuple[int, ...], float]:
+    """P(t1..t_length | prompt) under the filtered target, from the torch decoder (no runtime code involved)."""
+    from ssd_trt.export.parity import decoder_logits
+    out: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        longer = {}
+        for prefix, mass in out.items():
+            logits = decoder_logits(target, torch.tensor([PROMPT + list(prefix)]))[0, -1].numpy()
+            probs = reference_probs(logits, params)
+            for token in np.flatnonzero(probs > 0):
+                longer[prefix + (int(token),)] = mass * float(probs[token])
+        out = longer
+    return out
+
+
+def draw(build, mode: str, params: dict, options: RuntimeOptions | None = None,
+         length: int = 2) -> tuple[list, list[dict]]:
+    gen = ssd_trt.load(build, options)
+    samples, stats = [], []
+    for call in range(CALLS):
+        request = ssd_trt.SamplingParams(max_new_tokens=length, seed=1000 + call, stop_on_eos=False, **params)
+        results = gen.generate_ids([PROMPT] * ROWS, request, mode=mode)
+        samples += [tuple(r.token_ids) for r in results]
+        stats.append(results[0].stats)
+    return samples, stats
+
+
+def marginal(joint: dict, samples: list) -> tuple[dict, list]:
+    first: dict[tuple[int], float] = {}
+    for (t1, *_), p in joint.items():
+        first[(t1,)] = first.get((t1,), 0.0) + p
+    return first, [(s[0],) for s in samples]
+
+
+def check(joint: dict, samples: list) -> list[tuple[str, float, float]]:
+    """(what, TV, threshold) for the first token and for the whole sequence; passes when TV < threshold."""
+    out = []
+    for what, (exact, drawn) in (("first token", marginal(joint, samples)), ("all tokens", (joint, samples))):
+        out.append((what, total_variation(drawn, exact), 1.5 * noise_floor(exact, len(drawn)) + 0.005))
+    return out
+
+
+CASES = [("ar", None), ("sd", RuntimeOptions(draft_len=3)),
+         ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8})),
+         ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "ngram", "fan_out_budget": 8, "saguaro_c": 0.5}))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("mode,options", CASES, ids=["ar", "sd", "ssd-jit", "ssd-ngram-c0.5"])
+def test_first_two_tokens_follow_the_target_distribution_through_onnx_runtime(pair, setting, mode, options):
+    build, target = pair
+    params = SETTINGS[setting]
+    joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **params))
+    assert len(joint) > 10                                   # a distribution with real spread, not a point
+    samples, stats = draw(build, mode, params, options)
+    for what, tv, threshold in check(joint, samples):
+        assert tv < threshold, f"{mode} {setting} {what}: TV {tv:.4f} >= {threshold:.4f}"
+    if mode != "ar":      # the draft did real work: some of its tokens were accepted, some rejected
+        accepted = np.mean([s["mean_accepted"] for s in stats])
+        assert 0.1 < accepted < options.draft_len, accepted
+
+
+@pytest.mark.slow
+def test_ssd_cache_hits_follow_the_target_distribution_through_onnx_runtime(pair):
+    """Three tokens at K=1: the second round verifies a speculation from the cache (or its backup), so
+    the third token's distribution covers the hit path (two tokens cover only the first, backup round)."""
+    build, target = pair
+    params = SETTINGS["t0.7-p0.9"]       # 3-token outcomes at T=1 top-k 50 number 125,000: no usable floor
+    joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=3, **params), length=3)
+    samples, stats = draw(build, "ssd", params, RuntimeOptions(draft_len=1, ssd={"backup": "jit",
+                                                                                  "fan_out_budget": 4}), length=3)
+    for what, tv, threshold in check(joint, samples):
+        assert tv < threshold, f"ssd 3 tokens {what}: TV {tv:.4f} >= {threshold:.4f}"
+    rates = [s["cache_hit_rate"] for s in stats if s["cache_hit_rate"] is not None]
+    assert len(rates) == CALLS and 0 < np.mean(rates) < 1, rates
+
+
+@pytest.mark.slow
+def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch):
+    build, target = pair
+    params = SETTINGS["t0.7-p0.9"]     # at T=1 top-k 50 the 2,500-outcome noise floor hides a bias this size
+    monkeypatch.setattr(speculative_module, "verify_chain", planted_reference_bug)
+    joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **params))
+    samples, _ = draw(build, "sd", params, RuntimeOptions(draft_len=3))
+    failed = [(what, tv, threshold) for what, tv, threshold in check(joint, samples) if tv >= threshold]
+    assert failed, f"planted bias went unnoticed: {check(joint, samples)}"
