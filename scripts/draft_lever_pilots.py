@@ -43,7 +43,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ssd_trt.decoding.backup import longest_match  # noqa: E402
+from ssd_trt.engines.copy_mixture import longest_match  # noqa: E402
 from ssd_trt.distill import magpie  # noqa: E402
 from ssd_trt.distill.copy_fit import read_copy_mixture  # noqa: E402
 from ssd_trt.distill.evaluate import load_prompt_file, target_continuations  # noqa: E402

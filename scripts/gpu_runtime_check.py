@@ -50,20 +50,20 @@ from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro  # noqa: E4
 from ssd_trt.decoding.speculative import generate_speculative  # noqa: E402
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine  # noqa: E402
 from ssd_trt.engines.device_step import place_draft_and_target  # noqa: E402
-from ssd_trt.engines.step_script import step_script  # noqa: E402
+from tests.step_script import step_script  # noqa: E402
 from ssd_trt.engines.torch_device import TorchDeviceEngine  # noqa: E402
 from ssd_trt.models.config import DecoderConfig  # noqa: E402
 from ssd_trt.models.decoder import Decoder  # noqa: E402
 from ssd_trt.models.loading import load_decoder  # noqa: E402
 from ssd_trt.models.sources import resolve_source  # noqa: E402
 from ssd_trt.recipe import ssd_tree_tokens  # noqa: E402
-from ssd_trt.trt.profiles import ProfileLimits  # noqa: E402
+from ssd_trt.engines.limits import EngineLimits  # noqa: E402
 
 DRAFT_DIR = ROOT / "recipes" / "drafts" / "smollm2-135m-draft"
 TOKENIZER_DIR = ROOT / "build" / "smollm2-135m" / "tokenizer"
 PROMPTS = ROOT / "ssd_trt" / "bench" / "prompts" / "default.jsonl"
 SSD = SaguaroConfig(draft_len=2, fan_out_budget=16)
-LIMITS = ProfileLimits(max_batch=32, max_context=1024, max_draft_len=SSD.draft_len,
+LIMITS = EngineLimits(max_batch=32, max_context=1024, max_draft_len=SSD.draft_len,
                        max_tree_size=ssd_tree_tokens(SSD.draft_len, SSD.fan_out_budget))
 SHAPES = {  # name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab)
     "smollm2-135m": (30, 576, 9, 3, 64, 1536, 49152),

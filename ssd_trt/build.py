@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ssd_trt.errors import RecipeError, SsdTrtError
-from ssd_trt.manifest import MANIFEST_NAME, artifact_entry, write_manifest
+from ssd_trt.manifest import MANIFEST_NAME, ROLES, SCHEMA_VERSION, Manifest, artifact_entry, write_manifest
 from ssd_trt.recipe import Recipe, load_recipe
 
-ROLES = ("target", "draft")
 TOOLS = ("torch", "onnx", "onnxruntime", "onnxscript", "polygraphy", "transformers", "numpy")
 
 
@@ -49,7 +48,7 @@ BUILDING_MARKER = ".building"   # names the recipe of a build in progress (or in
 def _owner(out: Path) -> str | None:
     """The recipe whose artifacts ``out`` holds: from the manifest, else an in-progress marker."""
     manifest, marker = out / MANIFEST_NAME, out / BUILDING_MARKER
-    if manifest.is_file():
+    if manifest.is_file():     # a name, even from a manifest this version cannot read (so it is rebuilt)
         try:
             return json.loads(manifest.read_text()).get("recipe", {}).get("name")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
@@ -94,33 +93,42 @@ def stale_reason(recipe_path: Path, root: Path | None = None) -> str | None:
         manifest = read_manifest(out)
     except SsdTrtError as error:
         return str(error)
-    built = {k: v for k, v in manifest["recipe"].items() if k != "_path"}
-    if built != recipe.model_dump(mode="json"):
+    if manifest.recipe != recipe:
         return f"{out} was built from a different version of recipe {recipe.name!r}"
     bases = (recipe_path.parent.resolve(), root)
     for role in ROLES:
         fingerprint = source_fingerprint(resolve_source(getattr(recipe, role).source, bases))
-        if manifest["models"].get(role, {}).get("source_sha256") != fingerprint:
+        if manifest.model(role).source_sha256 != fingerprint:
             return f"the {role} model files changed since {out} was built"
     return None
 
 
 def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> Path:
     """Export, validate and (where TensorRT can) compile the recipe's pair; returns the build directory."""
-    from ssd_trt.models.loading import transformers_progress_bars_off
-    with transformers_progress_bars_off():
-        return _build(recipe_path, force, root)
-
-
-def _build(recipe_path: Path, force: bool, root: Path | None) -> Path:
     from tqdm import tqdm
 
+    from ssd_trt.models.loading import transformers_progress_bars_off
+    bar = tqdm(BUILD_STEPS, desc="build", unit="step", file=sys.stderr)   # made before third-party bars go quiet
+    with transformers_progress_bars_off():
+        try:
+            return _build(recipe_path, force, root, bar)
+        finally:
+            bar.close()
+
+
+BUILD_STEPS = ["load target", "load draft", "tokenizer", "parity target", "parity draft", "export target",
+               "export draft", "validate target", "validate draft", "tensorrt"]
+
+
+def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
+
+    from ssd_trt.export.block_weights import apply_block_weights, model_block_weights
     from ssd_trt.export.onnx_export import save_flavours, trace_step_graph
     from ssd_trt.export.parity import transformers_parity
     from ssd_trt.export.validate import validate_with_polygraphy
     from ssd_trt.models.loading import load_decoder, load_tokenizer
     from ssd_trt.models.sources import resolve_source, source_fingerprint
-    from ssd_trt.trt_hook import maybe_build_engines
+    from ssd_trt.trt.build_step import maybe_build_engines
 
     recipe = load_recipe(recipe_path)
     root = root or Path.cwd()
@@ -129,10 +137,8 @@ def _build(recipe_path: Path, force: bool, root: Path | None) -> Path:
     sources = {role: resolve_source(getattr(recipe, role).source, bases) for role in ROLES}
     prepare_output_dir(out, recipe, force)
     started = time.time()
-    steps = ["load target", "load draft", "tokenizer", "parity target", "parity draft", "export target",
-             "export draft", "validate target", "validate draft", "tensorrt"]
-    bar = tqdm(steps, desc="build", unit="step", file=sys.stderr)
     models, hf_configs, tokenizers, parity, validation, artifacts = {}, {}, {}, {}, {}, []
+    quantization: dict[str, dict] = {}
 
     def step(name: str) -> None:
         bar.set_postfix_str(name)
@@ -162,7 +168,10 @@ def _build(recipe_path: Path, force: bool, root: Path | None) -> Path:
         bar.update()
     for role in ROLES:
         step(f"export {role}")
+        blocks = model_block_weights(getattr(recipe, role).weights, sources[role], models[role])
         traced = trace_step_graph(models[role])
+        if blocks:
+            traced, quantization[role] = apply_block_weights(traced, blocks)
         precision = recipe.engine.trt_precision
         trt_traced = None if precision == "fp32" else trace_step_graph(half_copy(models[role], precision))
         paths = save_flavours(traced, out / role, trt_traced)
@@ -172,7 +181,8 @@ def _build(recipe_path: Path, force: bool, root: Path | None) -> Path:
     for role in ROLES:
         step(f"validate {role}")
         validation[role] = validate_with_polygraphy(models[role], out / role / "model.ort.onnx",
-                                                    [tuple(s) for s in recipe.validate_shapes])
+                                                    [tuple(s) for s in recipe.validate_shapes],
+                                                    int8_activations=recipe.engine.quantized_matmul_activations == "int8")
         if not validation[role]["passed"]:
             raise SsdTrtError(f"{role} ONNX graph disagrees with the torch model "
                               f"(max abs error {validation[role]['max_abs_error']:.3g}); see {out}")
@@ -181,19 +191,17 @@ def _build(recipe_path: Path, force: bool, root: Path | None) -> Path:
     tensorrt = maybe_build_engines(recipe, out, models)
     artifacts += tensorrt.pop("artifacts", [])
     bar.update()
-    bar.close()
-    manifest: dict[str, Any] = {
-        "recipe": {**recipe.model_dump(mode="json"), "_path": str(recipe_path)},
-        "models": {role: {"config": models[role].config.to_dict(), "hf_config": _jsonable(hf_configs[role]),
-                          "source": str(sources[role].path), "source_sha256": source_fingerprint(sources[role]),
-                          "parity_vs_transformers": parity[role],
-                          "head_token_ids": None if models[role].lm_head_token_ids is None
-                          else "embedded in weights"} for role in ROLES},
-        "tokenizer": {"dir": "tokenizer", "vocab_size": models["target"].config.vocab_size,
-                      "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
-        "artifacts": artifacts, "validation": validation, "tensorrt": tensorrt,
-        "tools": tool_versions(), "build_seconds": round(time.time() - started, 1),
-    }
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION, recipe=recipe, recipe_path=str(recipe_path),
+        models={role: {"config": models[role].config, "hf_config": _jsonable(hf_configs[role]),
+                       "source": str(sources[role].path), "source_sha256": source_fingerprint(sources[role]),
+                       "parity_vs_transformers": parity[role], "quantization": quantization.get(role),
+                       "head_token_ids": None if models[role].lm_head_token_ids is None else "embedded in weights"}
+                for role in ROLES},
+        tokenizer={"dir": "tokenizer", "vocab_size": models["target"].config.vocab_size,
+                   "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
+        artifacts=artifacts, validation=validation, tensorrt=_jsonable(tensorrt), tools=tool_versions(),
+        build_seconds=round(time.time() - started, 1))
     write_manifest(out, manifest)
     (out / BUILDING_MARKER).unlink(missing_ok=True)
     return out
@@ -233,15 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     except SsdTrtError as error:
         print(f"ssd_trt.build: error: {error}", file=sys.stderr)
         return 2
-    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    from ssd_trt.manifest import read_manifest
+    manifest = read_manifest(out)
     print(f"built {out}")
     for role in ROLES:
-        p, v = manifest["models"][role]["parity_vs_transformers"], manifest["validation"][role]
+        p, v = manifest.model(role).parity_vs_transformers, manifest.validation[role]
         parity = (f"logits vs {p['reference']}: max |diff| {p['max_abs_diff']:.2e}" if p.get("max_abs_diff") is not None
                   else f"no transformers reference ({p.get('reason', 'not measured')})")
         print(f"  {role}: {parity}; ONNX vs torch (Polygraphy, {len(v['shapes'])} step shapes): "
               f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}")
-    print(f"  tensorrt: {manifest['tensorrt']['status']}: {manifest['tensorrt']['reason']}")
+    print(f"  tensorrt: {manifest.tensorrt['status']}: {manifest.tensorrt['reason']}")
     return 0
 
 

@@ -1,17 +1,28 @@
-"""``manifest.json``: what a build produced, with checksums, read back and verified at load time."""
+"""``manifest.json``: the typed contract between a build and the runtime, verified at load time.
+
+The build writes a :class:`Manifest`; the runtime reads one back (schema version first, then every field
+with its type, strictly: a hand-edited or truncated manifest fails here with one paragraph naming the
+field and the fix) and checks every artifact's size and sha256 before loading it. Nothing outside this
+module reads the JSON.
+"""
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ssd_trt.errors import ArtifactError
+from ssd_trt.models.config import DecoderConfig
+from ssd_trt.recipe import Recipe
 
 MANIFEST_NAME = "manifest.json"
-SCHEMA_VERSION = 2   # 2: the step graph takes logit_indices (which new tokens get logits)
-LIMITS = ("max_batch", "max_context", "max_draft_len")
-CONFIG_INTS = ("vocab_size", "num_layers", "num_kv_heads", "head_dim")
+# 2: the step graph takes logit_indices (which new tokens get logits); the manifest is typed (pydantic),
+#    the recipe's path is a top-level field
+SCHEMA_VERSION = 2
+ROLES = ("target", "draft")
 REQUIRED_FILES = ("model.ort.onnx",)                     # per role: the runtime cannot run without these
 LOADED_FILES = REQUIRED_FILES + ("weights.bin", "engine.plan")   # per role: read when present
 
@@ -28,64 +39,120 @@ def artifact_entry(root: Path, path: Path) -> dict[str, Any]:
     return {"path": str(path.relative_to(root)), "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
-def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
-    manifest = {"schema_version": SCHEMA_VERSION, **manifest}
-    path = root / MANIFEST_NAME
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Artifact(_Strict):
+    """One file the build wrote, with what the runtime checks before loading it."""
+    role: Literal["target", "draft", "tokenizer"]
+    path: str
+    sha256: str
+    bytes: int
+    flavour: str | None = None            # ort | trt | weights | trt_weights | engine
+
+
+class BuiltModel(_Strict):
+    """One model of the pair as built: its decoder config, where its weights came from, how it was checked."""
+    config: DecoderConfig
+    hf_config: dict[str, Any]
+    source: str
+    source_sha256: str
+    parity_vs_transformers: dict[str, Any]
+    quantization: dict[str, Any] | None = None      # block weights in the graph (layers, kinds, bytes)
+    head_token_ids: str | None = None
+
+
+class TokenizerEntry(_Strict):
+    dir: str
+    vocab_size: int
+    chat_template: bool
+
+
+class Manifest(_Strict):
+    """What a build produced. ``recipe`` is the validated recipe itself (one definition of the limits)."""
+    schema_version: Literal[2]
+    recipe: Recipe
+    recipe_path: str
+    models: dict[Literal["target", "draft"], BuiltModel]
+    tokenizer: TokenizerEntry
+    artifacts: list[Artifact]
+    validation: dict[str, dict[str, Any]]
+    tensorrt: dict[str, Any]
+    tools: dict[str, str | None]
+    build_seconds: float
+
+    @model_validator(mode="after")
+    def _a_speculative_pair(self) -> "Manifest":
+        missing = [role for role in ROLES if role not in self.models]
+        if missing:
+            raise ValueError(f"models lacks {missing}")
+        target, draft = (self.models[role].config.vocab_size for role in ROLES)
+        if target != draft:
+            raise ValueError(f"the draft vocabulary ({draft}) differs from the target's ({target})")
+        return self
+
+    def model(self, role: str) -> BuiltModel:
+        return self.models[role]
+
+    @property
+    def rebuild_hint(self) -> str:
+        return f"rebuild with `python -m ssd_trt.build {self.recipe_path} --force`"
+
+
+def write_manifest(root: Path, manifest: Manifest) -> Path:
+    path = Path(root) / MANIFEST_NAME
+    path.write_text(manifest.model_dump_json(indent=2) + "\n")
     return path
 
 
-def read_manifest(root: Path) -> dict[str, Any]:
-    """Read and sanity-check a manifest (schema version, required keys); no checksums yet."""
+def read_manifest(root: Path) -> Manifest:
+    """Read and validate a manifest (schema version, every field, strictly); no checksums yet."""
     path = Path(root) / MANIFEST_NAME
     if not path.is_file():
         raise ArtifactError(f"{root} is not an ssd-trt build (no {MANIFEST_NAME}); build it with "
                             f"`python -m ssd_trt.build <recipe.yaml>`")
     try:
-        manifest = json.loads(path.read_text())
+        text = path.read_text()
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path} is corrupt ({exc}); rebuild with `python -m ssd_trt.build`") from None
-    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    version = data.get("schema_version") if isinstance(data, dict) else None
     if version != SCHEMA_VERSION:
-        newer = isinstance(version, int) and version > SCHEMA_VERSION
-        recipe = manifest.get("recipe", {}).get("_path", "<recipe.yaml>") if isinstance(manifest, dict) else \
-            "<recipe.yaml>"
-        raise ArtifactError(
-            f"{path} was written by {'a newer' if newer else 'an older'} ssd-trt (schema version "
-            f"{version!r}; this ssd-trt reads version {SCHEMA_VERSION}), and its engines do not match this runtime's "
-            + ("step graph: upgrade ssd-trt, or rebuild it" if newer else "step graph: rebuild it")
-            + f" with `python -m ssd_trt.build {recipe} --force` (scripts run `--if-stale`, which rebuilds it)")
-    for key in ("recipe", "models", "artifacts"):
-        if key not in manifest:
-            raise ArtifactError(f"{path} lacks '{key}'; rebuild with `python -m ssd_trt.build`")
-    check_structure(path, manifest)
-    return manifest
+        raise ArtifactError(_version_message(path, version, data))
+    try:
+        return Manifest.model_validate_json(text, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        recipe = _recipe_path(data)
+        raise ArtifactError(f"{path} is malformed (field '{where}': {first['msg']}); rebuild with "
+                            f"`python -m ssd_trt.build {recipe} --force`") from None
 
 
-def check_structure(path: Path, manifest: dict[str, Any]) -> None:
-    """The fields the runtime reads, with their types: a hand-edited manifest fails here, not later."""
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise ArtifactError(f"{path} is malformed ({what}); rebuild with `python -m ssd_trt.build`")
-
-    recipe, models, artifacts = manifest["recipe"], manifest["models"], manifest["artifacts"]
-    engine = recipe.get("engine") if isinstance(recipe, dict) else None
-    need(isinstance(engine, dict) and all(isinstance(engine.get(k), int) for k in LIMITS),
-         f"recipe.engine needs integer {', '.join(LIMITS)}")
-    for role in ("target", "draft"):
-        config = models.get(role, {}).get("config") if isinstance(models, dict) else None
-        need(isinstance(config, dict) and all(isinstance(config.get(k), int) for k in CONFIG_INTS),
-             f"models.{role}.config needs integer {', '.join(CONFIG_INTS)}")
-    need(isinstance(artifacts, list) and all(
-        isinstance(a, dict) and isinstance(a.get("path"), str) and isinstance(a.get("sha256"), str)
-        and isinstance(a.get("bytes"), int) for a in artifacts), "every artifact needs path, sha256 and bytes")
+def _recipe_path(data: Any) -> str:
+    """The recipe a manifest was built from, as well as a damaged or older manifest still says it."""
+    if not isinstance(data, dict):
+        return "<recipe.yaml>"
+    recipe = data.get("recipe") if isinstance(data.get("recipe"), dict) else {}
+    return str(data.get("recipe_path") or recipe.get("_path") or "<recipe.yaml>")
 
 
-def verify_artifacts(root: Path, manifest: dict[str, Any], roles: tuple[str, ...]) -> None:
+def _version_message(path: Path, version: Any, data: Any) -> str:
+    newer = isinstance(version, int) and version > SCHEMA_VERSION
+    recipe = _recipe_path(data)
+    return (f"{path} was written by {'a newer' if newer else 'an older'} ssd-trt (schema version {version!r}; this "
+            f"ssd-trt reads version {SCHEMA_VERSION}), and its engines do not match this runtime's step graph: "
+            + ("upgrade ssd-trt, or rebuild it" if newer else "rebuild it")
+            + f" with `python -m ssd_trt.build {recipe} --force` (scripts run `--if-stale`, "
+              f"which rebuilds it)")
+
+
+def verify_artifacts(root: Path, manifest: Manifest, roles: tuple[str, ...]) -> None:
     """Check size and sha256 of every artifact the given roles need (and the tokenizer), and that every
     file the runtime will load is one the manifest lists (nothing left over from another build)."""
-    fix = "rebuild with `python -m ssd_trt.build " + str(manifest["recipe"].get("_path", "<recipe.yaml>")) + "`"
-    listed = {Path(entry["path"]).as_posix() for entry in manifest["artifacts"]}
+    fix = manifest.rebuild_hint
+    listed = {Path(entry.path).as_posix() for entry in manifest.artifacts}
     loaded = [f"{role}/{name}" for role in roles for name in LOADED_FILES]
     tokenizer_dir = Path(root) / "tokenizer"
     if tokenizer_dir.is_dir():
@@ -95,15 +162,15 @@ def verify_artifacts(root: Path, manifest: dict[str, Any], roles: tuple[str, ...
         if relative not in listed and (required or (Path(root) / relative).exists()):
             raise ArtifactError(f"{Path(root) / relative} is not among the manifest's artifacts (missing, left "
                                 f"over from another build, or added by hand); {fix}")
-    for entry in manifest["artifacts"]:
-        if entry.get("role") not in roles + ("tokenizer",):
+    for entry in manifest.artifacts:
+        if entry.role not in roles + ("tokenizer",):
             continue
-        path = Path(root) / entry["path"]
+        path = Path(root) / entry.path
         if not path.is_file():
             raise ArtifactError(f"artifact {path} listed in the manifest is missing; {fix}")
-        if path.stat().st_size != entry["bytes"]:
+        if path.stat().st_size != entry.bytes:
             raise ArtifactError(f"artifact {path} has {path.stat().st_size} bytes, the manifest says "
-                                f"{entry['bytes']} (truncated or replaced); {fix}")
-        if sha256_file(path) != entry["sha256"]:
+                                f"{entry.bytes} (truncated or replaced); {fix}")
+        if sha256_file(path) != entry.sha256:
             raise ArtifactError(f"artifact {path} does not match its sha256 in the manifest (edited, "
                                 f"corrupt or swapped); {fix}")

@@ -15,6 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ssd_trt.engines.limits import MAX_DRAFT_LEN, EngineLimits
 from ssd_trt.errors import RecipeError
 
 
@@ -23,6 +24,9 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     source: str = Field(description="HF checkpoint dir, .gguf file, or pkg:<module>/<file>")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    weights: Literal["float", "gguf", "int8", "int4"] = Field(
+        "float", description="float: dequantized to dtype; gguf: the GGUF's own Q4_0/Q4_1/Q8_0 blocks, exact to "
+                             "the file (a .gguf source); int8 / int4: block-32 weights quantized at build (drafts)")
     tokenizer: str | None = Field(None, description="where the tokenizer is: another source, or 'target' "
                                                     "(a draft trained on the target's tokenizer); default: source")
 
@@ -34,15 +38,14 @@ class ModelSpec(BaseModel):
         return value
 
 
-class EngineSpecRecipe(BaseModel):
-    """Limits every engine is built for, and which backend to build."""
-    model_config = ConfigDict(extra="forbid")
+class EngineRecipe(EngineLimits):
+    """The engine limits (``engines/limits.py``: validated there, once) and how to build the engines."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
     backend: Literal["auto", "ort", "trt"] = "auto"
-    max_batch: int = Field(4, ge=1, le=256)
-    max_context: int = Field(2048, ge=16, le=131072)
-    max_draft_len: int = Field(8, ge=1, le=32, description="K, draft tokens per round")
-    max_tree_size: int = Field(64, ge=1, le=1024, description="N, tree tokens in one draft step")
     trt_precision: Literal["fp32", "fp16", "bf16"] = "fp16"
+    quantized_matmul_activations: Literal["fp32", "int8"] = Field(
+        "fp32", description="ONNX Runtime's fused 4/8-bit MatMul: fp32 activations (accuracy level 1) or int8 "
+                            "(level 4, faster, as llama.cpp does)")
     threads_per_engine: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads")
 
 
@@ -54,8 +57,8 @@ def ssd_tree_tokens(draft_len: int, fan_out_budget: int) -> int:
 class DecodingDefaults(BaseModel):
     """What a request gets unless it sets its own; tuned per model pair (README: "Tuning the defaults")."""
     model_config = ConfigDict(extra="forbid")
-    sd_draft_len: int = Field(4, ge=1, le=32, description="K of --mode sd")
-    ssd_draft_len: int = Field(4, ge=1, le=32, description="K of --mode ssd")
+    sd_draft_len: int = Field(4, ge=1, le=MAX_DRAFT_LEN, description="K of --mode sd")
+    ssd_draft_len: int = Field(4, ge=1, le=MAX_DRAFT_LEN, description="K of --mode ssd")
     ssd_fan_out_budget: int = Field(8, ge=2, le=1024, description="B, bonus guesses cached per round")
 
 
@@ -64,7 +67,7 @@ class Recipe(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     target: ModelSpec
     draft: ModelSpec
-    engine: EngineSpecRecipe = EngineSpecRecipe()
+    engine: EngineRecipe = EngineRecipe()
     decoding: DecodingDefaults = DecodingDefaults()
     output_dir: str | None = None
     validate_shapes: list[tuple[int, int]] = Field(

@@ -47,6 +47,15 @@ def test_bench_reports_every_preset_tunes_on_the_tuning_split_and_plots(tiny_pai
         for plot in ("tokens_per_category", "ssd_timeline", "sweeps"):
             assert (tmp_path / "out" / f"{plot}_{name}_paper-style.png").read_bytes()[:4] == b"\x89PNG"
     assert "t1-k50, paper-style" in result.stdout and "exact" in result.stdout
+    # the README's tables are rendered from results.json, never typed
+    rendered = subprocess.run([sys.executable, "-m", "ssd_trt.bench.report", str(tmp_path / "out" / "results.json")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    assert "**greedy — paper-style**" in rendered.stdout and "**T=1, top-k 50 — paper-style**" in rendered.stdout
+    ssd_row = next(line for line in rendered.stdout.splitlines() if line.startswith("| ssd |"))
+    assert f"{report['presets']['greedy']['settings']['paper-style']['summary']['ssd']['tokens_per_s']:.1f}" in ssd_row
+    assert all(s.get("two_token_latency_s", 0) > 0 for s in
+               report["presets"]["greedy"]["settings"]["paper-style"]["summary"].values())
 
 
 def test_bench_refuses_to_tune_on_the_prompts_it_reports(tiny_pairs, tmp_path):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
-from ssd_trt.decoding.backup import longest_match, lookup_followers
-from ssd_trt.decoding.batch import feed_rows
+from ssd_trt.decoding.backup import lookup_followers
+from ssd_trt.engines.copy_mixture import longest_match
+from ssd_trt.engines.feeding import feed_rows
 from ssd_trt.decoding.sampling import softmax
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine
 from ssd_trt.errors import ArtifactError
@@ -126,7 +127,7 @@ def test_greedy_with_the_copy_component_equals_autoregressive(tiny_pairs, mode):
     from ssd_trt.decoding.params import SamplingParams
 
     gen = ssd_trt.load(tiny_pairs["perturbed"])
-    gen.copy_mixture = STRONG                          # what a draft config.json with copy_mixture gives
+    gen.engines.copy_mixture = STRONG                          # what a draft config.json with copy_mixture gives
     prompts = [[5, 9, 5, 9, 5], [1, 2, 3, 1, 2, 3, 1], [7] * 6, [3, 14, 15, 92, 6, 3, 14]]
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
     want = gen.generate_ids(prompts, params, mode="ar")
@@ -158,7 +159,7 @@ def test_a_failing_draft_under_the_copy_component_still_finishes_exactly(tiny_pa
     from tests.test_faults import FaultyEngine
 
     gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=2))
-    gen.copy_mixture = STRONG
+    gen.engines.copy_mixture = STRONG
     prompts, params = [[5, 9, 5, 9, 5], [1, 2, 3, 1, 2, 3, 1]], SamplingParams(max_new_tokens=24, temperature=0.0)
     want = [r.token_ids for r in gen.generate_ids(prompts, params, mode="ar")]
     wrapped = gen.engine("draft")

@@ -17,14 +17,14 @@ from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
 from ssd_trt.decoding.speculative import generate_speculative
-from ssd_trt.engines.step_script import step_script
+from tests.step_script import step_script
 from ssd_trt.engines.torch_device import TorchDeviceEngine
-from ssd_trt.trt.availability import probe_cuda
-from ssd_trt.trt.profiles import ProfileLimits
+from ssd_trt.engines.availability import probe_cuda
+from ssd_trt.engines.limits import EngineLimits
 from tests.helpers import perturbed, random_decoder, tiny_config
 
 HAS_CUDA, CUDA_REASON = probe_cuda()
-LIMITS = ProfileLimits(max_batch=4, max_context=128, max_draft_len=3, max_tree_size=8)
+LIMITS = EngineLimits(max_batch=4, max_context=128, max_draft_len=3, max_tree_size=8)
 PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 3], [1, 42, 42, 42, 42, 8, 19]]
 
 
@@ -103,7 +103,7 @@ def test_the_torch_backend_generates_exactly_what_onnx_runtime_does(tiny_pairs, 
     prompts = PROMPTS[:2]
     reference = [r.token_ids for r in ssd_trt.load(tiny_pairs["perturbed"]).generate_ids(prompts, params, mode="ar")]
     gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(backend="torch"))
-    assert gen.backend("target") == "torch"
+    assert gen.engines.backend("target") == "torch"
     assert isinstance(gen.engine("target"), TorchDeviceEngine)
     assert [r.token_ids for r in gen.generate_ids(prompts, params, mode=mode)] == reference
 

@@ -44,7 +44,7 @@ def test_the_shipped_draft_drafts_with_its_copy_component(smollm2_build):
     """Its config.json carries fitted copy weights; the build passes them on and the runtime uses them."""
     from ssd_trt.engines.copy_mixture import CopyMixtureEngine
     gen = ssd_trt.load(smollm2_build)
-    assert gen.copy_mixture is not None and max(gen.copy_mixture.weights) > 0
+    assert gen.engines.copy_mixture is not None and max(gen.engines.copy_mixture.weights) > 0
     assert isinstance(gen.engine("draft"), CopyMixtureEngine)
 
 

@@ -85,7 +85,7 @@ class FaultyEngine:
 @pytest.fixture(scope="module")
 def gen(tiny_pairs):
     """A generator on the perturbed pair (partial acceptance: hits, misses and backups all happen)."""
-    return ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=K, ssd={"draft_timeout_s": 0.3}))
+    return ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=K, draft_timeout_s=0.3))
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,8 @@ def inject(gen):
     real = {role: gen.engine(role) for role in ("target", "draft")}
 
     def swap(role: str, fault: str, **kwargs) -> FaultyEngine:
-        gen._engines[role] = FaultyEngine(real[role], fault, **kwargs)
-        return gen._engines[role]
+        gen.engines.opened[role] = FaultyEngine(real[role], fault, **kwargs)
+        return gen.engines.opened[role]
     yield swap
     # A hung draft call can outlive its request: the runtime retires that (wrapped) engine, but the real
     # engine inside is handed back below, and the abandoned worker thread would still feed and roll it
@@ -108,7 +108,7 @@ def inject(gen):
     for thread in threading.enumerate():
         if thread.name.startswith("ssd-draft"):
             thread.join(timeout=30)
-    gen._engines.update(real)
+    gen.engines.opened.update(real)
 
 
 def slots_held(engine) -> int:
@@ -119,7 +119,7 @@ def slots_held(engine) -> int:
 
 
 def assert_no_slots_held(gen) -> None:
-    for role, engine in gen._engines.items():
+    for role, engine in gen.engines.opened.items():
         assert slots_held(engine) == 0, f"{role} engine still holds KV slots {engine.lengths.tolist()}"
 
 
@@ -207,7 +207,7 @@ def test_target_failure_fails_the_request_with_its_reason(gen, reference, inject
                                           f"forward call {at}"):
         gen.generate_ids(PROMPTS, GREEDY, mode=mode)
     assert_no_slots_held(gen)
-    gen._engines["target"] = gen._engines["target"].inner
+    gen.engines.opened["target"] = gen.engines.opened["target"].inner
     assert [r.token_ids for r in gen.generate_ids(PROMPTS, GREEDY, mode=mode)] == reference
 
 

@@ -16,7 +16,8 @@ from hypothesis.extra.numpy import arrays
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.saguaro import tree_step_inputs
 from ssd_trt.decoding.sampling import TokenDistribution, filter_logits, verify_chain, verify_tree_children
-from ssd_trt.decoding.speculative import tree_mask_from_parents, tree_shape
+from ssd_trt.decoding.speculative_tree import tree_shape
+from ssd_trt.engines.feeding import tree_mask_from_parents
 from ssd_trt.engines.base import EngineSpec
 from ssd_trt.engines.kv_cache import KVCache
 from ssd_trt.errors import RecipeError

@@ -62,8 +62,11 @@ BAD_OPTIONS = {
     "draft_len zero": ({"draft_len": 0}, "draft_len (K) must be an integer in 1..32"),
     "draft_len too large": ({"draft_len": 33}, "draft_len"),
     "draft_len float": ({"draft_len": 2.5}, "draft_len"),
-    "unknown ssd option": ({"ssd": {"fan_out": 3}}, "unknown SSD option in ['fan_out']; known: draft_len"),
-    "ssd timeout zero": ({"ssd": {"draft_timeout_s": 0}}, "draft_timeout_s must be positive"),
+    "unknown ssd option": ({"ssd": {"fan_out": 3}}, "unknown SSD option in ['fan_out']; known: backup, "
+                                                   "critical_batch, fan_out_budget"),
+    "K as an ssd option": ({"ssd": {"draft_len": 3}}, "unknown SSD option in ['draft_len']"),
+    "draft timeout zero": ({"draft_timeout_s": 0}, "draft_timeout_s must be positive"),
+    "threads zero": ({"target_threads": 0}, "target_threads must be a positive integer"),
     "ssd C zero": ({"ssd": {"saguaro_c": 0.0}}, "saguaro_c (C) must be in (0, 1]"),
     "ssd unknown backup": ({"ssd": {"backup": "gpu"}}, "backup must be auto, jit or ngram"),
     "ssd budget below K+1": ({"draft_len": 4, "ssd": {"fan_out_budget": 3}}, "fan_out_budget must be >= K+1"),
@@ -119,9 +122,9 @@ def test_bad_request_is_refused_with_a_specific_message(gen, case):
 
 
 def test_the_largest_draft_len_the_engine_allows_is_accepted(gen):
-    options = RuntimeOptions(draft_len=8)           # the default fan-out budget grows to K+1
-    assert options.saguaro_config().fan_out_budget == 9
-    ssd_trt.Generator(gen.root, options).generate("w5", OK, mode="ssd")
+    generator = ssd_trt.Generator(gen.root, RuntimeOptions(draft_len=8))
+    assert generator.plan("ssd").settings.fan_out_budget == 9      # the default fan-out budget grows to K+1
+    generator.generate("w5", OK, mode="ssd")
 
 
 def test_a_request_gets_the_builds_decoding_defaults_unless_it_sets_its_own(tiny_pairs):
@@ -133,10 +136,10 @@ def test_a_request_gets_the_builds_decoding_defaults_unless_it_sets_its_own(tiny
     tuned = ssd_trt.load(build(recipe, root=root))
     assert tuned.generate("w5", OK, mode="sd")[0].stats["draft_len"] == 3
     assert tuned.generate("w5", OK, mode="ssd")[0].stats["draft_len"] == 2
-    assert tuned.saguaro_config().fan_out_budget == 12
+    assert tuned.plan("ssd").settings.fan_out_budget == 12
     own = ssd_trt.Generator(tuned.root, RuntimeOptions(draft_len=5))
-    assert own.generate("w5", OK, mode="ssd")[0].stats["draft_len"] == 5 and own.saguaro_config().fan_out_budget == 12
-    assert ssd_trt.Generator(tuned.root, RuntimeOptions(ssd={"fan_out_budget": 7})).saguaro_config().fan_out_budget == 7
+    assert own.generate("w5", OK, mode="ssd")[0].stats["draft_len"] == 5 and own.plan("ssd").settings.fan_out_budget == 12
+    assert ssd_trt.Generator(tuned.root, RuntimeOptions(ssd={"fan_out_budget": 7})).plan("ssd").settings.fan_out_budget == 7
 
 
 def test_valid_utf8_bytes_are_the_same_prompt_as_text(gen):

@@ -15,13 +15,13 @@ import itertools
 import numpy as np
 import pytest
 
-from ssd_trt.decoding import saguaro as saguaro_module
-from ssd_trt.decoding import speculative as speculative_module
+from ssd_trt.decoding import rounds as rounds_module
 from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import Outcome, filter_logits
 from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
 from ssd_trt.decoding.speculative import generate_speculative
+from ssd_trt.decoding.speculative_tree import generate_tree_speculative
 from tests.sampling_reference import reference_probs
 from tests.trigram import TrigramEngine, blend, random_log_table
 
@@ -79,8 +79,9 @@ def engines():
 def run_sd(tree_widths=None, draft_len=2):
     def strategy(seqs, rng):
         target, draft = engines()
-        return generate_speculative(target, draft, [PROMPT] * ROWS, seqs, rng, draft_len=draft_len,
-                                    tree_widths=tree_widths)
+        if tree_widths:
+            return generate_tree_speculative(target, draft, [PROMPT] * ROWS, seqs, rng, tree_widths)
+        return generate_speculative(target, draft, [PROMPT] * ROWS, seqs, rng, draft_len=draft_len)
     return strategy
 
 
@@ -192,10 +193,11 @@ def planted_reference_bug(draft_tokens, draft_q, target_logits, params, rng):
     return Outcome(len(draft_tokens), int(p[len(draft_tokens)].sample(rng)))
 
 
-def test_the_check_catches_the_reference_bias_bug(monkeypatch):
-    monkeypatch.setattr(speculative_module, "verify_chain", planted_reference_bug)
+@pytest.mark.parametrize("strategy", ["sd", "ssd"])
+def test_the_check_catches_the_reference_bias_bug(monkeypatch, strategy):
+    """SD and SSD verify through one function (decoding/rounds.py); planting the bias there must show."""
+    monkeypatch.setattr(rounds_module, "verify_chain", planted_reference_bug)
     exact = exact_distribution(TARGET, 1.0)
-    samples, _ = draw(run_sd(), 1.0, seed=0)
+    samples, _ = draw(run_sd() if strategy == "sd" else run_ssd(backup="jit"), 1.0, seed=0)
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
     assert tv > 1.5 * floor + 0.005, f"planted bias went unnoticed: TV {tv:.4f}, floor {floor:.4f}"
-    assert saguaro_module.verify_chain is not planted_reference_bug

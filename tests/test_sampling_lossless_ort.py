@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ssd_trt
-from ssd_trt.decoding import speculative as speculative_module
+from ssd_trt.decoding import rounds as rounds_module
 from ssd_trt.runtime import RuntimeOptions
 from tests.helpers import perturbed, random_decoder, save_hf_checkpoint, tiny_config, write_recipe
 from tests.sampling_reference import reference_probs
@@ -122,7 +122,7 @@ def test_ssd_cache_hits_follow_the_target_distribution_through_onnx_runtime(pair
 def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch):
     build, target = pair
     params = SETTINGS["t0.7-p0.9"]     # at T=1 top-k 50 the 2,500-outcome noise floor hides a bias this size
-    monkeypatch.setattr(speculative_module, "verify_chain", planted_reference_bug)
+    monkeypatch.setattr(rounds_module, "verify_chain", planted_reference_bug)
     joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **params))
     samples, _ = draw(build, "sd", params, RuntimeOptions(draft_len=3))
     failed = [(what, tv, threshold) for what, tv, threshold in check(joint, samples) if tv >= threshold]

@@ -34,14 +34,14 @@ def cache_bytes(engine) -> int:
 
 
 def test_mixed_requests_leak_no_slots_threads_or_memory(tiny_pairs):
-    gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=3, ssd={"draft_timeout_s": 5.0}))
+    gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=3, draft_timeout_s=5.0))
     real_draft = gen.engine("draft")
     gen.engine("target")
     rng = np.random.default_rng(0)
     greedy_answers: dict[tuple, list[list[int]]] = {}
     counts = {"ok": 0, "refused": 0, "cancelled": 0, "draft_faults": 0}
     threads_before = threading.active_count()
-    spec = gen.spec("target")
+    spec = gen.engine("target").spec
     buffer_bound = 2 * spec.num_layers * spec.max_batch * spec.num_kv_heads * spec.max_context * spec.head_dim * 4
 
     for index in range(REQUESTS):
@@ -58,7 +58,7 @@ def test_mixed_requests_leak_no_slots_threads_or_memory(tiny_pairs):
                                 top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([0, 20])),
                                 seed=int(rng.integers(0, 1000)))
         kind = rng.choice(["plain", "plain", "plain", "bad", "cancel", "draft_fault"])
-        gen._engines["draft"] = real_draft
+        gen.engines.opened["draft"] = real_draft
         on_tokens = None
         if kind == "bad":
             prompts = prompts + [[1, 999]] if rng.random() < 0.5 else [[]]
@@ -70,7 +70,7 @@ def test_mixed_requests_leak_no_slots_threads_or_memory(tiny_pairs):
                 if seen[0] >= budget:
                     raise Cancelled
         elif kind == "draft_fault" and mode == "ssd":
-            gen._engines["draft"] = FaultyEngine(real_draft, str(rng.choice(["crash", "garbage"])),
+            gen.engines.opened["draft"] = FaultyEngine(real_draft, str(rng.choice(["crash", "garbage"])),
                                                  at=int(rng.integers(0, 12)))
         try:
             results = gen.generate_ids(prompts, params, mode=mode, on_tokens=on_tokens)
@@ -85,7 +85,7 @@ def test_mixed_requests_leak_no_slots_threads_or_memory(tiny_pairs):
                 key = (tuple(map(tuple, prompts)), params.max_new_tokens, params.stop_on_eos)
                 answer = [r.token_ids for r in results]
                 assert greedy_answers.setdefault(key, answer) == answer
-        for role, engine in gen._engines.items():
+        for role, engine in gen.engines.opened.items():
             assert slots_held(engine) == 0, f"request {index} ({mode}, {kind}) left {role} slots held"
             assert cache_bytes(getattr(engine, "inner", engine)) <= buffer_bound
         assert threading.active_count() <= threads_before + 1
@@ -109,4 +109,4 @@ def test_repeated_identical_requests_give_identical_answers_and_hold_nothing(tin
         first = [r.token_ids for r in gen.generate_ids(prompts, params, mode=mode)]
         for _ in range(5):
             assert [r.token_ids for r in gen.generate_ids(prompts, params, mode=mode)] == first
-            assert all(slots_held(engine) == 0 for engine in gen._engines.values())
+            assert all(slots_held(engine) == 0 for engine in gen.engines.opened.values())

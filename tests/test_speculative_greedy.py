@@ -40,15 +40,15 @@ def test_greedy_speculative_equals_autoregressive(tiny_pairs, pair, batch, mode)
 @pytest.mark.parametrize("widths", [[2, 2, 1], [3, 1, 1, 1]])
 def test_greedy_tree_verification_equals_autoregressive(tiny_pairs, widths):
     from ssd_trt.decoding.batch import Sequences
-    from ssd_trt.decoding.speculative import generate_speculative
+    from ssd_trt.decoding.speculative_tree import generate_tree_speculative
 
     gen = ssd_trt.load(tiny_pairs["perturbed"])
     params = SamplingParams(max_new_tokens=40, stop_on_eos=False)
     for prompts in batches(4):
         reference = [r.token_ids for r in gen.generate_ids(prompts, params, mode="ar")]
         seqs = Sequences(params, gen.eos_ids, len(prompts))
-        stats = generate_speculative(gen.engine("target"), gen.engine("draft"), prompts, seqs,
-                                     np.random.default_rng(0), tree_widths=widths)
+        stats = generate_tree_speculative(gen.engine("target"), gen.engine("draft"), prompts, seqs,
+                                          np.random.default_rng(0), widths)
         assert seqs.tokens == reference
         assert stats["mean_accepted"] > 0
 
@@ -57,8 +57,8 @@ def test_greedy_tree_verification_equals_autoregressive(tiny_pairs, widths):
 def test_requests_at_the_context_limit_finish_exactly_or_are_refused_up_front(tiny_pairs, mode):
     from ssd_trt.errors import RequestError
     gen = ssd_trt.load(tiny_pairs["perturbed"])
-    limit = gen.limits["max_context"]
-    headroom = gen.speculation_headroom(mode)
+    limit = gen.limits.max_context
+    headroom = gen.plan(mode).headroom
     prompt = [1] + [5 + (i % 200) for i in range(150)]
     fits = SamplingParams(max_new_tokens=limit - len(prompt) - headroom, stop_on_eos=False)
     [expected] = gen.generate_ids([prompt], fits, mode="ar")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ssd_trt.decoding.speculative import tree_mask_from_parents
+from ssd_trt.engines.feeding import tree_mask_from_parents
 import pytest
 import torch
 

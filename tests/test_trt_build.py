@@ -21,17 +21,18 @@ from onnx import TensorProto, helper, numpy_helper
 
 from plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference
 from plugins.tree_attention.triton_kernel import tree_attention
-from ssd_trt.trt.availability import probe_tensorrt
-from ssd_trt.trt.bindings import BindingLayout
-from ssd_trt.trt.cuda_graphs import GraphBucket, batch_sizes, pad_step, plan_buckets, select_bucket
+from ssd_trt.engines.availability import probe_tensorrt
+from ssd_trt.engines.bindings import BindingLayout
+from ssd_trt.engines.cuda_graphs import GraphBucket, batch_sizes, pad_step, plan_buckets, select_bucket
 from ssd_trt.engines.base import EngineSpec
-from ssd_trt.trt.engine import Placement, TensorRTEngine, causal_mask, check_spec, place_draft_and_target
+from ssd_trt.engines.tensorrt import Placement, TensorRTEngine, causal_mask, check_spec, place_draft_and_target
 from ssd_trt.trt.engine_build import TensorRTUnavailable, build_engine, check_plugin_nodes, check_precision, \
     manifest_entry, profile_table
-from ssd_trt.trt.profiles import Profile, ProfileLimits, derive_profiles, select_profile
+from ssd_trt.engines.limits import EngineLimits
+from ssd_trt.engines.profiles import Profile, derive_profiles, select_profile
 
 HAS_TRT, TRT_REASON = probe_tensorrt()
-LIMITS = ProfileLimits(max_batch=4, max_context=256, max_draft_len=5, max_tree_size=24)
+LIMITS = EngineLimits(max_batch=4, max_context=256, max_draft_len=5, max_tree_size=24)
 ONNX_FLOAT = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
@@ -147,7 +148,8 @@ def test_profiles_cover_the_runtime_step_kinds():
     assert [(p.name, p.tokens) for p in profiles] == [("decode", (1, 1, 1)), ("verify", (6, 6, 6)),
                                                       ("tree", (2, 24, 24)), ("prefill", (1, 256, 256))]
     assert all(p.batch == (1, 4, 4) for p in profiles)
-    single = derive_profiles(ProfileLimits(2, 64, 5, 1))  # a one-token tree step is a decode step
+    # a one-token tree step is a decode step
+    single = derive_profiles(EngineLimits(max_batch=2, max_context=64, max_draft_len=5, max_tree_size=1))
     assert [(p.name, p.tokens) for p in single] == [("decode", (1, 1, 1)), ("verify", (6, 6, 6)),
                                                    ("prefill", (1, 64, 64))]
     assert select_profile(profiles, 2, 1) == 0 and select_profile(profiles, 2, 6) == 1
@@ -156,16 +158,17 @@ def test_profiles_cover_the_runtime_step_kinds():
         select_profile(profiles, 5, 1)
 
 
-def test_limits_are_validated():
-    with pytest.raises(ValueError, match="max_batch must be >= 1"):
-        ProfileLimits(0, 256, 5, 24)
+def test_limits_are_validated_once_by_the_recipe_model():
+    with pytest.raises(ValueError, match="max_batch"):
+        EngineLimits(max_batch=0, max_context=256, max_draft_len=5, max_tree_size=24)
     with pytest.raises(ValueError, match="max_tree_size"):
-        ProfileLimits(1, 16, 5, 24)
-
-    class Recipe:  # duck-typed recipe.engine
-        class engine:
-            max_batch, max_context, max_draft_len, max_tree_size = 2, 128, 4, 16
-    assert ProfileLimits.from_recipe(Recipe) == ProfileLimits(2, 128, 4, 16)
+        EngineLimits(max_batch=1, max_context=16, max_draft_len=5, max_tree_size=24)
+    # the recipe's engine section *is* the limits (plus build options): no second definition to drift
+    from ssd_trt.recipe import Recipe
+    recipe = Recipe.model_validate({"name": "r", "target": {"source": "a"}, "draft": {"source": "a"},
+                                    "engine": {"max_batch": 2, "max_context": 128, "max_draft_len": 4,
+                                               "max_tree_size": 64}})
+    assert recipe.engine.limits == EngineLimits(max_batch=2, max_context=128, max_draft_len=4, max_tree_size=64)
 
 
 @pytest.mark.parametrize("recipe", sorted((Path(__file__).resolve().parents[1] / "recipes" / "gpu").glob("*.yaml")),
@@ -174,7 +177,7 @@ def test_gpu_recipes_give_valid_profiles(recipe):
     data = yaml.safe_load(recipe.read_text())
     assert data["engine"]["backend"] == "trt" and data["engine"]["trt_precision"] == "bf16"
     assert data["target"]["dtype"] == data["draft"]["dtype"] == "bfloat16"
-    limits = ProfileLimits(**{key: data["engine"][key] for key in
+    limits = EngineLimits(**{key: data["engine"][key] for key in
                               ("max_batch", "max_context", "max_draft_len", "max_tree_size")})
     profiles = derive_profiles(limits)
     assert [p.name for p in profiles] == ["decode", "verify", "tree", "prefill"]
@@ -196,7 +199,8 @@ def test_static_dimensions_must_agree_with_the_recipe(weights):
     fixed = BindingLayout.from_onnx(tiny_step_graph(weights, capacity=128))
     with pytest.raises(ValueError, match="capacity is fixed at 128"):
         profile_table(fixed, LIMITS)
-    assert profile_table(fixed, ProfileLimits(4, 128, 5, 24))[0][1]["past_key_0"][0] == (1, 2, 128, 16)
+    limits = EngineLimits(max_batch=4, max_context=128, max_draft_len=5, max_tree_size=24)
+    assert profile_table(fixed, limits)[0][1]["past_key_0"][0] == (1, 2, 128, 16)
     single = BindingLayout.from_onnx(tiny_step_graph(weights, batch=1))
     with pytest.raises(ValueError, match="static dimension 0 = 1"):
         profile_table(single, LIMITS)
@@ -257,7 +261,7 @@ def test_runtime_without_tensorrt_fails_with_the_reason(tmp_path):
 # ---- CUDA-graph buckets ---------------------------------------------------------------------------------------
 
 def test_buckets_are_planned_for_exact_token_profiles_and_the_tree_range_not_prefill():
-    profiles = derive_profiles(ProfileLimits(max_batch=6, max_context=1024, max_draft_len=5, max_tree_size=24))
+    profiles = derive_profiles(EngineLimits(max_batch=6, max_context=1024, max_draft_len=5, max_tree_size=24))
     buckets = plan_buckets(profiles)
     assert batch_sizes(6) == (1, 2, 4, 6) and batch_sizes(1) == (1,)
     assert {(b.batch, b.tokens) for b in buckets} == {(b, t) for b in (1, 2, 4, 6) for t in (1, 6, 2, 4, 8, 16, 24)}
@@ -267,7 +271,7 @@ def test_buckets_are_planned_for_exact_token_profiles_and_the_tree_range_not_pre
 
 
 def test_bucket_selection_pads_as_little_as_possible():
-    buckets = plan_buckets(derive_profiles(ProfileLimits(max_batch=4, max_context=1024, max_draft_len=5,
+    buckets = plan_buckets(derive_profiles(EngineLimits(max_batch=4, max_context=1024, max_draft_len=5,
                                                          max_tree_size=24)))
     assert select_bucket(buckets, 1, 1, room=100) == GraphBucket(1, 1, 0)
     assert select_bucket(buckets, 3, 1, room=100) == GraphBucket(4, 1, 0)  # batch padded to 4

@@ -28,7 +28,7 @@ from plugins.tree_attention.ptx import DEFAULT_PTX_VERSION, NUM_KERNEL_PARAMS, S
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask, tree_attention_reference
 from plugins.tree_attention.trt_plugin import FP32_TACTICS, LOW_PRECISION_TACTICS, PLUGIN_NAME, dtype_name, \
     kernel_spec, launch_plan, validate_onnx_node
-from ssd_trt.trt.availability import probe_cuda, probe_tensorrt
+from ssd_trt.engines.availability import probe_cuda, probe_tensorrt
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRT, TRT_REASON = probe_tensorrt()
@@ -144,7 +144,7 @@ def test_onnx_node_contract():
 
 
 def test_importing_the_plugin_module_does_not_import_tensorrt():
-    code = ("import sys; import plugins.tree_attention.trt_plugin, ssd_trt.trt.engine, ssd_trt.trt.engine_build; "
+    code = ("import sys; import plugins.tree_attention.trt_plugin, ssd_trt.engines.tensorrt, ssd_trt.trt.engine_build; "
             "print('tensorrt' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

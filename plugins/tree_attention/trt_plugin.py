@@ -26,7 +26,7 @@ Why this and not the alternatives:
   updated cache), and it excludes TensorRT 10.9 - 10.14;
 * aliasing is the documented in-place mechanism for plugins and keeps the one-node contract. When
   the aliased input is a network input, TensorRT "may insert copies"; the runtime binds
-  ``present_key_i`` to the same address as ``past_key_i`` (``ssd_trt/trt/engine.py``), so any copy
+  ``present_key_i`` to the same address as ``past_key_i`` (``ssd_trt/engines/tensorrt.py``), so any copy
   TensorRT adds is a self-copy and the result is correct either way (past_key_i has no other reader).
 
 Importing this module never imports TensorRT: :func:`register` does, on demand.

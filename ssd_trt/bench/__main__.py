@@ -14,6 +14,8 @@ import platform
 import sys
 from pathlib import Path
 
+import numpy as np
+
 import ssd_trt
 from ssd_trt.bench.prompts import DEFAULT_PROMPTS, TUNING_PROMPTS, load_prompts
 from ssd_trt.bench.runner import by_category, run_engine, run_hf, summarise
@@ -127,6 +129,9 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
     for mode, runs in runs_by_mode.items():
         results[mode] = summarise(runs, reference)
         categories[mode] = by_category(runs, reference)
+    for mode in [m for m in ENGINE_MODES if m in modes]:   # what a short request waits (startup cost)
+        results[mode]["two_token_latency_s"] = two_token_latency(build, setting, mode, prompts, encoded, params,
+                                                                 chosen)
     for mode, summary in results.items():
         for base in ("ar", "sd", "hf_ar", "hf_assisted"):
             if base in results and base != mode and results[base]["tokens_per_s"]:
@@ -139,25 +144,41 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
             "timeline": timeline, "setting": setting.description, "chosen": chosen}
 
 
+def two_token_latency(build, setting, mode: str, prompts, encoded, params, chosen: dict) -> float:
+    """Median wall time of a 2-token request (prefill, first speculation, one round) over the prompts,
+    with the K / fan-out budget the sweep chose for the mode."""
+    from dataclasses import replace
+    options: dict = {}
+    if mode == "sd":
+        options["draft_len"] = chosen["sd_k"]
+    if mode == "ssd":
+        options.update(draft_len=chosen["ssd_k"], ssd={"fan_out_budget": chosen["ssd_budget"]})
+    runs = run_engine(build, setting, mode, prompts, encoded, replace(params, max_new_tokens=2),
+                      label=f"{mode} 2-token", **options)
+    return float(np.median([r.seconds for r in runs]))
+
+
 def table(name: str, summary: dict) -> str:
-    head = f"{'mode':12s} {'tok/s':>7s} {'ttft':>6s} {'acc':>5s} {'hit':>5s} {'draft':>6s} {'verif':>6s} " \
-           f"{'exact':>7s} {'xAR':>5s} {'xSD':>5s} {'xHF':>5s} {'xHFas':>5s} {'ceil%':>6s}"
+    head = f"{'mode':12s} {'tok/s':>7s} {'ttft':>6s} {'2tok':>6s} {'acc':>5s} {'hit':>5s} {'draft':>6s} " \
+           f"{'verif':>6s} {'exact':>7s} {'xAR':>5s} {'xSD':>5s} {'xHF':>5s} {'xHFas':>5s} {'ceil%':>6s}"
     lines = [f"== {name} ==", head]
 
     def f(v, fmt):
-        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        width = int(fmt.split(".")[0]) if fmt[0].isdigit() else 0
+        return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
 
     def ms(v):
         return f(None if v is None else 1e3 * v, "6.1f")
     for mode, s in summary.items():
         exact = "-" if s["exact_prompts"] is None else f"{s['exact_prompts']}/{s['prompts']}"
-        lines.append(f"{mode:12s} {f(s['tokens_per_s'], '7.2f')} {f(s['ttft_s'], '6.3f')} {f(s['mean_accepted'], '5.2f')} "
+        lines.append(f"{mode:12s} {f(s['tokens_per_s'], '7.2f')} {f(s['ttft_s'], '6.3f')} "
+                     f"{f(s.get('two_token_latency_s'), '6.3f')} {f(s['mean_accepted'], '5.2f')} "
                      f"{f(s['cache_hit_rate'], '5.2f')} {ms(s.get('draft_latency_s'))} {ms(s.get('verify_latency_s'))} "
                      f"{exact:>7s} {f(s.get('speedup_vs_ar'), '5.2f')} {f(s.get('speedup_vs_sd'), '5.2f')} "
                      f"{f(s.get('speedup_vs_hf_ar'), '5.2f')} {f(s.get('speedup_vs_hf_assisted'), '5.2f')} "
                      f"{f(100 * s['ceiling_fraction'] if s['ceiling_fraction'] else None, '6.1f')}")
-    lines.append("(acc: draft tokens accepted per round; draft / verif: ms per round; exact: token-identical to ar "
-                 "at T = 0, '-' when sampling)")
+    lines.append("(2tok: median seconds of a 2-token request; acc: draft tokens accepted per round; draft / verif: "
+                 "ms per round; exact: token-identical to ar at T = 0, '-' when sampling)")
     return "\n".join(lines)
 
 

@@ -6,14 +6,16 @@ from pathlib import Path
 
 import torch
 
+from ssd_trt.manifest import Manifest
 
-def load_hf_pair(manifest: dict) -> tuple[object, object | None, str]:
+
+def load_hf_pair(manifest: Manifest) -> tuple[object, object | None, str]:
     """(target, draft or None, note). The draft's reduced head, if any, is expanded to the full
     vocabulary with zero rows: transformers has no reduced-head Llama (greedy output stays exact)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     def load(role: str):
-        source = Path(manifest["models"][role]["source"])
+        source = Path(manifest.model(role).source)
         if source.suffix == ".gguf":
             return AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         from safetensors.torch import load_file
@@ -34,9 +36,9 @@ def load_hf_pair(manifest: dict) -> tuple[object, object | None, str]:
 
     target = load("target").eval()
     draft = load("draft").eval()
-    note = "draft head expanded to the full vocabulary" if manifest["models"]["draft"]["config"].get(
-        "head_vocab_size") else "same draft weights"
-    if (manifest["models"]["draft"].get("hf_config") or {}).get("copy_mixture"):
+    note = "draft head expanded to the full vocabulary" if manifest.model("draft").config.head_vocab_size \
+        else "same draft weights"
+    if manifest.model("draft").hf_config.get("copy_mixture"):
         note += "; the network alone, without the draft's copy component (assisted generation takes a plain model)"
     return target, draft, note
 

@@ -39,28 +39,6 @@ def lookup_followers(context: list[int], max_ngram: int = 4, limit: int = 3) -> 
     return found
 
 
-def longest_match(context: np.ndarray, max_ngram: int) -> tuple[int, int] | None:
-    """(follower, n) for the most recent earlier occurrence of the longest suffix of ``context``
-    (n <= ``max_ngram`` tokens) that is followed by a token; None when even the last token is new.
-
-    Grows the match one token at a time over the surviving candidates only, so a lookup costs a few
-    vector compares on a shrinking set instead of one full scan per n-gram size.
-    """
-    if len(context) < 2:
-        return None
-    ends = np.flatnonzero(context[:-1] == context[-1])     # s: context[s] == last token, s+1 exists
-    if not len(ends):
-        return None
-    size = 1
-    while size < max_ngram:
-        longer = ends[ends >= size]
-        longer = longer[context[longer - size] == context[-1 - size]]
-        if not len(longer):
-            break
-        ends, size = longer, size + 1
-    return int(context[ends[-1] + 1]), size
-
-
 def ngram_proposal(context: list[int], draft_len: int, max_ngram: int = 3) -> list[int]:
     array = np.asarray(context, dtype=np.int64)
     for size in range(min(max_ngram, len(array) - 1), 0, -1):

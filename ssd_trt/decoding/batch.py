@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.engines.feeding import feed_ragged
 
 TokenCallback = Callable[[int, list[int]], None]   # (row, newly committed token ids)
 
@@ -56,31 +57,6 @@ class Sequences:
         return {"generated_tokens": total, "elapsed_s": elapsed,
                 "tokens_per_s": total / elapsed if elapsed > 0 else None,
                 "ttft_s": None if self.first_token_at is None else self.first_token_at - self.started}
-
-
-def feed_rows(engine, rows: list[list[int]], tail: int = 1) -> np.ndarray:
-    """Append a different number of tokens to each row; return the logits of each row's last ``tail``
-    tokens [B, tail, V] (every row must get at least ``tail`` tokens; only those pay the LM head).
-
-    Rows are right-padded to one length and then rolled back: the causal mask keeps padding unseen by
-    real tokens, and the rollback drops its cache slots.
-    """
-    batch = len(rows)
-    lengths = np.array([len(r) for r in rows], dtype=np.int64)
-    ids = np.zeros((batch, int(lengths.max())), dtype=np.int64)
-    for row, tokens in enumerate(rows):
-        ids[row, :len(tokens)] = tokens
-    start = engine.lengths
-    wanted = lengths[:, None] - tail + np.arange(tail)[None, :]           # ragged: per-row positions
-    logits = engine.forward(ids, start[:, None] + np.arange(ids.shape[1])[None, :], logit_indices=wanted)
-    engine.rollback(start + lengths.astype(np.int32))
-    return logits
-
-
-def feed_ragged(engine, rows: list[list[int]]) -> np.ndarray:
-    """:func:`feed_rows`, returning each row's last-position logits [B, V]."""
-    return feed_rows(engine, rows, tail=1)[:, 0]
-
 
 
 def first_tokens(target, prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator) -> list[int]:

@@ -36,9 +36,7 @@ from ssd_trt.decoding.sampling import top_tokens
 LOOKUP_PRIOR = {1: 0.05, 2: 0.3, 3: 0.5}
 
 def geometric_fan_out(acceptance: float, power: float, draft_len: int, budget: int) -> list[int]:
-    """Integer fan-outs F_0..F_K (length K+1) summing to ``budget`` (>= K+1)."""
-    if budget < draft_len + 1:
-        raise ValueError(f"fan-out budget {budget} must be at least K+1 = {draft_len + 1}")
+    """Integer fan-outs F_0..F_K (length K+1) summing to ``budget`` (>= K+1: ``SaguaroConfig`` checks it)."""
     a = min(max(acceptance, 1e-3), 1 - 1e-3)
     exponent = 1.0 / (1.0 + power)
     weights = np.array([a ** (k * exponent) for k in range(draft_len)]

@@ -3,7 +3,7 @@ target verifies (Kumar, Dao, May: "Speculative Speculative Decoding", ICLR 2026,
 
 One round, as the two devices see it (the draft runs on its own core/thread, concurrently):
 
-  target:  verify [t*_prev, s_1..s_K] ──> outcome (k, t*) ──> look up cache ──> next speculation
+  target:  verify [t*_prev, s_1..s_K] ──> outcome (k, t*) ──> look up the cache ──> next speculation
   draft :  1. glue decode   one forward over [t*_prev, s_1..s_K]: draft logits at positions j = 0..K
            2. forking       the B most likely outcomes (j, t*) become bonus guesses: the draft's top tokens
                             at each j (minus its own s_{j+1}: a rejected token has zero residual
@@ -11,9 +11,13 @@ One round, as the two devices see it (the draft runs on its own core/thread, con
                             prompt-lookup candidates (fan_out.py)
            3. tree decode   K steps over all N = sum_j F_j branches at once; branch (j, t) attends to
                             the prefix, glue tokens 0..j and its own earlier tokens (a tree mask)
-           4. cache fill    key (row, k=j, t*=t) -> that branch's K tokens and their draft probabilities
+           4. cache fill    key (row, k=j, t*=t) -> that branch's K tokens and their draft distributions
   on a hit the next speculation is ready at once; on a miss a backup speculates: the neural draft
   just in time below the critical batch size, prompt lookup (near-zero latency) at or above it.
+  After each round the fan-out shapes learn from where the bonus token fell (fan_out.FanOutPlanner).
+
+The file reads in that order: settings, the draft side (DraftWorker: steps 1-4 and the just-in-time
+backup), then the target side (:func:`saguaro_rounds`: verify, look up, learn, back up).
 
 Sampling is lossless because the target verifies with the exact distribution each drafted token was
 drawn from (``sampling.verify_chain``). With Saguaro sampling (C < 1) that distribution is
@@ -27,26 +31,33 @@ region would remove that re-feed (profiled cost in the README).
 """
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
 from ssd_trt.decoding.backup import lookup_followers, ngram_proposal
-from ssd_trt.decoding.batch import Sequences, feed_ragged, feed_rows, first_tokens
+from ssd_trt.decoding.batch import Sequences, first_tokens
 from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks, ranked_forks
+from ssd_trt.decoding.mode import Plan
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.sampling import TokenDistribution, filter_logits, softmax, verify_chain
+from ssd_trt.decoding.rounds import verify_and_commit
+from ssd_trt.decoding.sampling import Outcome, TokenDistribution, filter_logits, softmax
 from ssd_trt.decoding.stats import RoundStats
-from ssd_trt.engines.base import last_indices
+from ssd_trt.engines.affinity import pin
+from ssd_trt.engines.base import Engine, last_indices
+from ssd_trt.engines.feeding import feed_ragged, feed_rows
+from ssd_trt.engines.placement import ModelPlacement
 from ssd_trt.errors import RequestError
 
 
+# -- settings -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SaguaroConfig:
-    draft_len: int = 4                 # K
+    """The algorithm's settings (where the models run is ``RuntimeOptions`` / ``ModelPlacement``)."""
+    draft_len: int = 4                 # K (validated with the request: options, or the build's defaults)
     fan_out_budget: int = 8            # B = sum_k F_k guesses per sequence and round
     fork_policy: str = "confidence"    # confidence (this round's odds) | geometric (the paper's shape)
     lookup_forks: int = 3              # prompt-lookup bonus guesses per position (0: draft guesses only)
@@ -55,12 +66,8 @@ class SaguaroConfig:
     critical_batch: int = 4            # b*: batches >= b* use the fast backup on a miss
     prior_acceptance: float = 0.6
     prior_power: float = 0.6
-    draft_timeout_s: float = 60.0
-    draft_cores: tuple[int, ...] | None = None   # pin the draft worker thread (None: the engine's own)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.draft_len <= 32:
-            raise RequestError(f"draft_len (K) must be in 1..32, got {self.draft_len}")
         if self.fan_out_budget < self.draft_len + 1:
             raise RequestError(f"fan_out_budget must be >= K+1 = {self.draft_len + 1}, got {self.fan_out_budget}")
         if not 0 < self.saguaro_c <= 1:
@@ -71,8 +78,31 @@ class SaguaroConfig:
             raise RequestError(f"lookup_forks must be a non-negative integer, got {self.lookup_forks!r}")
         if self.backup not in ("auto", "jit", "ngram"):
             raise RequestError(f"backup must be auto, jit or ngram, got {self.backup!r}")
-        if self.draft_timeout_s <= 0:
-            raise RequestError("draft_timeout_s must be positive")
+
+    @property
+    def tree_tokens(self) -> int:
+        """Tokens in the draft's largest tree step: K+1 glue tokens and K tokens for each of B branches."""
+        return self.draft_len + 1 + self.draft_len * self.fan_out_budget
+
+
+class Saguaro:
+    """``--mode ssd``."""
+    name = "ssd"
+    roles = ("target", "draft")
+
+    def plan(self, options, defaults) -> Plan:
+        draft_len = options.draft_len or defaults.ssd_draft_len
+        # the budget must cover K+1 guesses: grow the default with a K the caller chose
+        budget = max(defaults.ssd_fan_out_budget, draft_len + 1)
+        config = SaguaroConfig(**{"draft_len": draft_len, "fan_out_budget": budget, **options.ssd})
+        return Plan(draft_len=config.draft_len, headroom=config.tree_tokens, tree_tokens=config.tree_tokens,
+                    tree_what=f"an SSD tree step with K={config.draft_len} and fan-out budget "
+                              f"{config.fan_out_budget}", settings=config)
+
+    def run(self, engines: Mapping[str, Engine], prompts: list[list[int]], seqs: Sequences,
+            rng: np.random.Generator, plan: Plan, placements: Mapping[str, ModelPlacement]) -> dict:
+        return generate_saguaro(engines["target"], engines["draft"], prompts, seqs, rng, plan.settings,
+                                placements["draft"])
 
 
 @dataclass
@@ -91,19 +121,19 @@ class SpeculationCache:
     finished: float
 
 
+# -- the draft side -------------------------------------------------------------------------------
 class DraftWorker:
     """Owns the draft engine. Every method runs on the worker thread, one job at a time, in order."""
 
-    def __init__(self, draft, config: SaguaroConfig, params: SamplingParams, seed: int | None) -> None:
-        self.draft, self.config, self.params = draft, config, params
+    def __init__(self, draft: Engine, config: SaguaroConfig, params: SamplingParams, seed: int | None,
+                 cores: tuple[int, ...] | None) -> None:
+        self.draft, self.config, self.params, self.cores = draft, config, params, cores
         self.rng = np.random.default_rng(None if seed is None else seed + 1)
         self.pending: list[list[int]] = []   # committed tokens the draft cache has not seen yet
         self.history: list[list[int]] = []   # every committed token (prompt lookup reads it)
 
-    # -- bookkeeping ---------------------------------------------------------------------------
     def start(self, prompts: list[list[int]]) -> None:
-        if self.config.draft_cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, set(self.config.draft_cores))
+        pin(self.cores)                      # this worker thread is the draft's device
         self.draft.reset(len(prompts))
         self.pending = [list(p) for p in prompts]
         self.history = [list(p) for p in prompts]
@@ -114,60 +144,25 @@ class DraftWorker:
             self.pending[row] += tokens
             self.history[row] += tokens
 
-    def _flush_pending(self, extra: list[list[int]]) -> np.ndarray:
-        """Feed pending + extra tokens (the same number for every row); keep pending in the cache;
-        return the logits over ``extra`` [B, len(extra[0]), V]."""
-        size = len(extra[0])
-        logits = feed_rows(self.draft, [p + e for p, e in zip(self.pending, extra)], tail=size)
-        self.draft.rollback(self.draft.lengths - size)
-        self.pending = [[] for _ in extra]
-        return logits
-
-    def _draw(self, logits: np.ndarray, fan_out: np.ndarray) -> tuple[np.ndarray, TokenDistribution | None]:
-        """Speculation tokens for every row of draft logits [..., V] at once: argmax, or draws from
-        sigma_{F+1,C}(q) where ``fan_out`` [...] is F, the guesses that will sit at each token's position."""
-        if self.params.greedy:
-            return np.argmax(logits, axis=-1).astype(np.int64), None
-        q = filter_logits(logits, self.params).boosted(np.asarray(fan_out) + 1, self.config.saguaro_c)
-        return q.sample(self.rng), q
-
-    # -- the Saguaro round (draft side) ----------------------------------------------------------
     def speculate(self, bonus: list[int], spec: Speculation, shapes: list[list[int]]) -> SpeculationCache:
+        """Steps 1-4 of the round for the speculation the target is verifying now."""
         started = time.perf_counter()
-        K, batch = self.config.draft_len, len(bonus)
-        glue = [[bonus[row]] + [int(t) for t in spec.tokens[row]] for row in range(batch)]
-
-        # 1. glue decode: draft logits at j = 0..K (pending committed tokens ride along in front)
-        glue_logits = self._flush_pending(glue)                       # [B, K+1, V]
-        base = self.draft.lengths
-
-        # 2. forking: B bonus guesses (j, t), never the draft's own next token (every row gets as many)
-        forks = [self._forks(row, glue_logits[row], glue[row], shapes[row]) for row in range(batch)]
-        branches = len(forks[0])
-
-        # 3. tree decode: K steps over all branches at once (glue + earlier branch tokens re-fed);
-        #    every branch of every row draws its next token in one vectorised call
-        tokens = np.zeros((batch, branches, K + 1), dtype=np.int64)   # [:, :, 0] is the fork token
-        for row in range(batch):
-            tokens[row, :, 0] = [t for _, t in forks[row]]
-        step_dists: list[TokenDistribution] = []
-        for step in range(1, K + 1):
-            ids, positions, mask = tree_step_inputs(glue, forks, tokens[:, :, :step], base)
-            # logits for the newest branch tokens only (the re-fed glue and earlier tokens need none)
-            logits = self.draft.forward(ids, positions, mask, last_indices(batch, ids.shape[1], branches))
-            self.draft.rollback(base)
-            fan_next = np.array([shapes[row][step - 1] for row in range(batch)])[:, None]  # forks at that position
-            tokens[:, :, step], q = self._draw(logits, np.broadcast_to(fan_next, (batch, branches)))
-            if q is not None:
-                step_dists.append(q)
-        dists = TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None  # [K, B, N]
-
-        # 4. cache fill: (row, k, t*) -> the branch's K tokens and their draft distributions
-        entries = {}
-        for row in range(batch):
-            for n, (j, t) in enumerate(forks[row]):
-                entries[(row, j, t)] = (tokens[row, n, 1:].copy(), None if dists is None else dists[:, row, n])
+        glue = [[bonus[row]] + [int(t) for t in spec.tokens[row]] for row in range(len(bonus))]
+        glue_logits = self._glue_decode(glue)                                        # 1.
+        forks = [self._forks(row, glue_logits[row], glue[row], shapes[row]) for row in range(len(glue))]  # 2.
+        tokens, dists = self._tree_decode(glue, forks, shapes)                       # 3.
+        entries = {(row, j, t): (tokens[row, n, 1:].copy(), None if dists is None else dists[:, row, n])
+                   for row in range(len(glue)) for n, (j, t) in enumerate(forks[row])}   # 4. cache fill
         return SpeculationCache(entries, glue_logits, started, time.perf_counter())
+
+    def _glue_decode(self, glue: list[list[int]]) -> np.ndarray:
+        """Step 1: draft logits at glue positions j = 0..K [B, K+1, V] (pending committed tokens ride along
+        in front and stay in the cache; the glue itself is rolled back: the tree steps re-feed it)."""
+        size = len(glue[0])
+        logits = feed_rows(self.draft, [p + g for p, g in zip(self.pending, glue)], tail=size)
+        self.draft.rollback(self.draft.lengths - size)
+        self.pending = [[] for _ in glue]
+        return logits
 
     def _forks(self, row: int, glue_logits: np.ndarray, glue: list[int], shape: list[int]) -> list[tuple[int, int]]:
         """Step 2 for one row: the bonus guesses (j, t) to draft behind (policies in fan_out.py)."""
@@ -180,6 +175,36 @@ class DraftWorker:
         probs = (softmax(glue_logits) if self.params.greedy
                  else filter_logits(glue_logits, self.params).dense(glue_logits.shape[-1]))
         return confident_forks(probs, glue[1:], sum(shape), lookup)
+
+    def _tree_decode(self, glue: list[list[int]], forks: list[list[tuple[int, int]]],
+                     shapes: list[list[int]]) -> tuple[np.ndarray, TokenDistribution | None]:
+        """Step 3: K steps over all branches at once (glue + earlier branch tokens re-fed); every branch of
+        every row draws its next token in one vectorised call. Returns tokens [B, N, K+1] (column 0: the
+        fork token) and the distributions they were drawn from [K, B, N] (None when greedy)."""
+        K, batch, branches = self.config.draft_len, len(glue), len(forks[0])
+        base = self.draft.lengths
+        tokens = np.zeros((batch, branches, K + 1), dtype=np.int64)
+        for row in range(batch):
+            tokens[row, :, 0] = [t for _, t in forks[row]]
+        step_dists: list[TokenDistribution] = []
+        for step in range(1, K + 1):
+            ids, positions, mask = tree_step_inputs(glue, forks, tokens[:, :, :step], base)
+            # logits for the newest branch tokens only (the re-fed glue and earlier tokens need none)
+            logits = self.draft.forward(ids, positions, mask, last_indices(batch, ids.shape[1], branches))
+            self.draft.rollback(base)
+            fan_next = np.array([shapes[row][step - 1] for row in range(batch)])[:, None]  # forks at that position
+            tokens[:, :, step], q = self._draw(logits, np.broadcast_to(fan_next, (batch, branches)))
+            if q is not None:
+                step_dists.append(q)
+        return tokens, TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None
+
+    def _draw(self, logits: np.ndarray, fan_out: np.ndarray) -> tuple[np.ndarray, TokenDistribution | None]:
+        """Speculation tokens for every row of draft logits [..., V] at once: argmax, or draws from
+        sigma_{F+1,C}(q) where ``fan_out`` [...] is F, the guesses that will sit at each token's position."""
+        if self.params.greedy:
+            return np.argmax(logits, axis=-1).astype(np.int64), None
+        q = filter_logits(logits, self.params).boosted(np.asarray(fan_out) + 1, self.config.saguaro_c)
+        return q.sample(self.rng), q
 
     def just_in_time(self, bonus: list[int], shapes: list[list[int]]) -> Speculation:
         """Neural backup: draft K tokens after each row's new bonus token, synchronously."""
@@ -229,138 +254,182 @@ def tree_step_inputs(glue: list[list[int]], forks: list[list[tuple[int, int]]], 
     return ids, positions, mask
 
 
-def generate_saguaro(target, draft, prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator,
-                     config: SaguaroConfig) -> dict:
+# -- the target side: the round loop --------------------------------------------------------------
+class DraftFailed(Exception):
+    """The draft raised, hung past its timeout or returned garbage (the cause is chained). ``bonus`` is
+    each row's committed-but-unfed token: where target-only decoding picks up."""
+
+    def __init__(self, bonus: list[int]) -> None:
+        super().__init__("the draft failed")
+        self.bonus = list(bonus)
+
+
+@dataclass
+class Round:
+    """What one round needs besides the engines: the worker's thread, the learned fan-out, the stats."""
+    pool: ThreadPoolExecutor
+    worker: DraftWorker
+    planner: FanOutPlanner
+    stats: RoundStats
+    timeout_s: float
+    use_jit: bool
+
+    def on_draft(self, fn, *args) -> Future:
+        return self.pool.submit(fn, *args)
+
+    def result(self, future: Future):
+        """The draft job's result; its exception, or a TimeoutError when it hangs past the timeout."""
+        return future.result(timeout=self.timeout_s)
+
+
+def generate_saguaro(target: Engine, draft: Engine, prompts: list[list[int]], seqs: Sequences,
+                     rng: np.random.Generator, config: SaguaroConfig,
+                     placement: ModelPlacement = ModelPlacement()) -> dict:
     params, batch, K = seqs.params, len(prompts), config.draft_len
     stats = RoundStats(mode="ssd", draft_len=K)
-    planner = FanOutPlanner(K, config.fan_out_budget, config.prior_acceptance, config.prior_power)
-    worker = DraftWorker(draft, config, params, params.seed)
     use_jit = config.backup == "jit" or (config.backup == "auto" and batch < config.critical_batch)
     # Not a `with` block: that would wait for a hung draft call. A hung draft is abandoned (its
     # thread finishes on its own; the runtime retires that draft engine); otherwise the thread is joined.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft")
+    state = Round(pool, DraftWorker(draft, config, params, params.seed, placement.cores),
+                  FanOutPlanner(K, config.fan_out_budget, config.prior_acceptance, config.prior_power),
+                  stats, placement.timeout_s, use_jit)
     try:
-        return saguaro_rounds(pool, target, worker, planner, prompts, seqs, rng, config, stats, use_jit)
+        summary = saguaro_rounds(state, target, prompts, seqs, rng)
+    except DraftFailed as failed:
+        summary = finish_without_draft(target, seqs, failed.bonus, rng, stats, failed.__cause__)
     finally:
         pool.shutdown(wait=not stats.draft_hung, cancel_futures=True)
-
-
-def saguaro_rounds(pool: ThreadPoolExecutor, target, worker: DraftWorker, planner: FanOutPlanner,
-            prompts: list[list[int]], seqs: Sequences, rng: np.random.Generator, config: SaguaroConfig,
-            stats: RoundStats, use_jit: bool) -> dict:
-    """The round loop of :func:`generate_saguaro` (target side; draft jobs go to ``pool``)."""
-    params, batch, K = seqs.params, len(prompts), config.draft_len
-    timeline: list[dict] = []
-
-    def on_draft(fn, *args) -> Future:
-        return pool.submit(fn, *args)
-
-    def draft_result(future: Future):
-        return future.result(timeout=config.draft_timeout_s)
-
-    draft_started = on_draft(worker.start, prompts)        # draft prefill overlaps target prefill
-    bonus = first_tokens(target, prompts, seqs, rng)
-    try:
-        draft_result(draft_started)
-        spec = validate_speculation(draft_result(on_draft(worker.just_in_time, bonus,
-                                                          [planner.shape("backup")] * batch)),
-                                    batch, K, target.spec.vocab_size)
-    except Exception as failure:   # noqa: BLE001 -- any draft failure: finish exactly without it
-        return finish_without_draft(target, seqs, bonus, rng, stats, failure)
-    round_index = 0
-    while not seqs.all_done:
-        shapes = [planner.shape("primary")] * batch          # guesses for the *next* round
-        t_submit = time.perf_counter()
-        cache_future = on_draft(worker.speculate, bonus, spec, shapes)
-
-        # --- target: verify [t*_prev, s_1..s_K] in one pass (concurrently with the draft) ---
-        t_verify = time.perf_counter()
-        start = target.lengths
-        feed = np.concatenate([np.array(bonus)[:, None], spec.tokens], axis=1)
-        logits = target.forward(feed, start[:, None] + np.arange(K + 1)[None, :])
-        outcomes = [verify_chain(spec.tokens[row], None if spec.dists is None else spec.dists[row],
-                                 logits[row], params, rng) for row in range(batch)]
-        t_verified = time.perf_counter()
-        new_lengths = start.copy()
-        accepted_glue = []
-        for row, outcome in enumerate(outcomes):
-            if seqs.done[row]:
-                accepted_glue.append([])
-                continue
-            seqs.commit(row, [int(t) for t in spec.tokens[row, :outcome.accepted]] + [outcome.bonus])
-            stats.record_round(outcome.accepted)
-            new_lengths[row] = start[row] + 1 + outcome.accepted
-            accepted_glue.append([bonus[row]] + [int(t) for t in spec.tokens[row, :outcome.accepted]])
-        target.rollback(new_lengths)
-
-        # --- lookup: a hit is the next speculation, ready now ---
-        try:
-            cache = validate_cache(draft_result(cache_future), batch, K, target.spec.vocab_size)
-        except Exception as failure:   # noqa: BLE001
-            return finish_without_draft(target, seqs, [o.bonus for o in outcomes], rng, stats, failure)
-        t_looked_up = time.perf_counter()
-        next_tokens = np.zeros((batch, K), dtype=np.int64)
-        next_dists: list[TokenDistribution | None] | None = None if params.greedy else [None] * batch
-        sources, missed = [], []
-        for row, outcome in enumerate(outcomes):
-            key = (row, outcome.accepted, outcome.bonus)
-            own_next = int(spec.tokens[row, outcome.accepted]) if outcome.accepted < K else None
-            rank = bonus_rank(cache.glue_logits[row, outcome.accepted], own_next, outcome.bonus)
-            planner.curve(spec.sources[row]).observe(outcome.accepted, K, rank)
-            if seqs.done[row]:
-                sources.append("primary")
-                continue
-            hit = key in cache.entries
-            stats.record_lookup(outcome.accepted, hit)
-            if hit:
-                next_tokens[row], row_dist = cache.entries[key]
-                if next_dists is not None:
-                    next_dists[row] = row_dist
-                sources.append("primary")
-            else:
-                missed.append(row)
-                sources.append("jit" if use_jit else "ngram")
-        bonus = [o.bonus for o in outcomes]
-        on_draft(worker.commit, accepted_glue)
-
-        # --- miss: backup speculator ---
-        if missed and use_jit:
-            try:
-                backup = validate_speculation(draft_result(on_draft(worker.just_in_time, bonus,
-                                                                    [planner.shape("backup")] * batch)),
-                                              batch, K, target.spec.vocab_size)
-            except Exception as failure:   # noqa: BLE001
-                return finish_without_draft(target, seqs, bonus, rng, stats, failure)
-            for row in missed:
-                next_tokens[row] = backup.tokens[row]
-                if next_dists is not None:
-                    next_dists[row] = backup.dists[row]
-        elif missed:
-            for row in missed:
-                context = prompts[row] + seqs.tokens[row]
-                next_tokens[row] = ngram_proposal(context, K)
-                if next_dists is not None:
-                    next_dists[row] = TokenDistribution.point_mass(next_tokens[row])
-        for row in missed:
-            stats.backup_rounds[sources[row]] += 1
-        t_done = time.perf_counter()
-        stats.add_time(draft_s=max(0.0, cache.finished - cache.started), verify_s=t_verified - t_verify,
-                       wait_s=max(0.0, t_looked_up - t_verified) + (t_done - t_looked_up))
-        timeline.append({"round": round_index, "verify": [t_verify - seqs.started, t_verified - seqs.started],
-                         "draft": [cache.started - seqs.started, cache.finished - seqs.started],
-                         "submitted": t_submit - seqs.started, "hits": batch - len(missed),
-                         "backup": len(missed), "backup_s": t_done - t_looked_up,
-                         "accepted": [o.accepted for o in outcomes], "source": list(spec.sources)})
-        if next_dists is not None:   # finished rows keep a placeholder (their outcome is never committed)
-            next_dists = [d if d is not None else TokenDistribution.point_mass(next_tokens[row])
-                          for row, d in enumerate(next_dists)]
-        spec = Speculation(next_tokens, next_dists, sources)
-        round_index += 1
-    summary = stats.summary()
-    summary.update(overlap_summary(timeline))
-    summary.update({"fan_out": planner.describe(), "timeline": timeline, "saguaro_c": config.saguaro_c,
-                    "backup_policy": "jit" if use_jit else "ngram"})
     return summary
+
+
+def saguaro_rounds(state: Round, target: Engine, prompts: list[list[int]], seqs: Sequences,
+                   rng: np.random.Generator) -> dict:
+    """Rounds until every row is done: the draft pre-speculates the next round while the target verifies."""
+    batch, K, vocab = len(prompts), state.worker.config.draft_len, target.spec.vocab_size
+    timeline: list[dict] = []
+    draft_started = state.on_draft(state.worker.start, prompts)     # draft prefill overlaps target prefill
+    bonus = first_tokens(target, prompts, seqs, rng)
+    spec = guarded(bonus, lambda: first_speculation(state, draft_started, bonus, batch, vocab))
+    while not seqs.all_done:
+        t_submit = time.perf_counter()
+        shapes = [state.planner.shape("primary")] * batch          # guesses for the *next* round
+        cache_future = state.on_draft(state.worker.speculate, bonus, spec, shapes)
+        t_verify = time.perf_counter()                             # target: verify (draft: speculate)
+        outcomes = verify_and_commit(target, bonus, spec.tokens, spec.dists, seqs, rng, state.stats)
+        t_verified = time.perf_counter()
+        glue = accepted_glue(bonus, spec, outcomes)
+        bonus = [previous if o is None else o.bonus for previous, o in zip(bonus, outcomes)]
+        cache = guarded(bonus, lambda: validate_cache(state.result(cache_future), batch, K, vocab))
+        t_looked_up = time.perf_counter()
+        state.on_draft(state.worker.commit, glue)
+        learn_fan_out(state.planner, cache, spec, outcomes)
+        next_spec, missed = look_up(cache, outcomes, seqs, K, state.use_jit, state.stats)
+        if missed:
+            guarded(bonus, lambda: back_up(state, next_spec, missed, bonus, prompts, seqs, vocab))
+        t_done = time.perf_counter()
+        state.stats.add_time(draft_s=max(0.0, cache.finished - cache.started), verify_s=t_verified - t_verify,
+                             wait_s=max(0.0, t_looked_up - t_verified) + (t_done - t_looked_up))
+        timeline.append(round_record(len(timeline), seqs.started, t_submit, (t_verify, t_verified), cache,
+                                     batch - len(missed), t_done - t_looked_up, outcomes, spec.sources))
+        spec = next_spec
+    summary = state.stats.summary()
+    summary.update(overlap_summary(timeline))
+    summary.update({"fan_out": state.planner.describe(), "timeline": timeline,
+                    "saguaro_c": state.worker.config.saguaro_c, "backup_policy": "jit" if state.use_jit else "ngram"})
+    return summary
+
+
+def guarded(bonus: list[int], job):
+    """Run a step that needs the draft. Any failure of it -- an exception, a hang past the timeout, a
+    malformed result -- becomes DraftFailed: the request then finishes exactly, without the draft."""
+    try:
+        return job()
+    except Exception as failure:   # noqa: BLE001 -- any draft failure: finish exactly without it
+        raise DraftFailed(bonus) from failure
+
+
+def first_speculation(state: Round, draft_started: Future, bonus: list[int], batch: int, vocab: int) -> Speculation:
+    """The first round has no cache to look in: the draft speculates just in time behind the first token."""
+    state.result(draft_started)
+    shapes = [state.planner.shape("backup")] * batch
+    return validate_speculation(state.result(state.on_draft(state.worker.just_in_time, bonus, shapes)),
+                                batch, state.worker.config.draft_len, vocab)
+
+
+def accepted_glue(bonus: list[int], spec: Speculation, outcomes: list[Outcome | None]) -> list[list[int]]:
+    """Per row, the glue tokens now verified: t*_prev and s_1..s_k (nothing for finished rows). The new
+    bonus tokens are not glue yet: they lead the next speculation."""
+    return [[] if o is None else [int(bonus[row])] + [int(t) for t in spec.tokens[row, :o.accepted]]
+            for row, o in enumerate(outcomes)]
+
+
+def learn_fan_out(planner: FanOutPlanner, cache: SpeculationCache, spec: Speculation,
+                  outcomes: list[Outcome | None]) -> None:
+    """Where the bonus token fell among the draft's candidates: the data behind F_k's power law."""
+    K = spec.tokens.shape[1]
+    for row, outcome in enumerate(outcomes):
+        if outcome is None:
+            continue
+        own_next = int(spec.tokens[row, outcome.accepted]) if outcome.accepted < K else None
+        rank = bonus_rank(cache.glue_logits[row, outcome.accepted], own_next, outcome.bonus)
+        planner.curve(spec.sources[row]).observe(outcome.accepted, K, rank)
+
+
+def look_up(cache: SpeculationCache, outcomes: list[Outcome | None], seqs: Sequences, draft_len: int,
+            use_jit: bool, stats: RoundStats) -> tuple[Speculation, list[int]]:
+    """A hit is the next speculation, ready now; returns it (misses left empty) and the rows that missed."""
+    batch = len(outcomes)
+    tokens = np.zeros((batch, draft_len), dtype=np.int64)
+    dists: list[TokenDistribution | None] | None = None if seqs.params.greedy else [None] * batch
+    sources, missed = [], []
+    for row, outcome in enumerate(outcomes):
+        if outcome is None:
+            sources.append("primary")
+            continue
+        hit = (row, outcome.accepted, outcome.bonus) in cache.entries
+        stats.record_lookup(outcome.accepted, hit)
+        if hit:
+            tokens[row], row_dist = cache.entries[(row, outcome.accepted, outcome.bonus)]
+            if dists is not None:
+                dists[row] = row_dist
+            sources.append("primary")
+        else:
+            missed.append(row)
+            sources.append("jit" if use_jit else "ngram")
+    return Speculation(tokens, dists, sources), missed
+
+
+def back_up(state: Round, spec: Speculation, missed: list[int], bonus: list[int], prompts: list[list[int]],
+            seqs: Sequences, vocab: int) -> None:
+    """Fill the missed rows of ``spec`` in place: the neural draft just in time, or prompt lookup."""
+    batch, K = len(bonus), spec.tokens.shape[1]
+    if state.use_jit:
+        shapes = [state.planner.shape("backup")] * batch
+        backup = validate_speculation(state.result(state.on_draft(state.worker.just_in_time, bonus, shapes)),
+                                      batch, K, vocab)
+    for row in missed:
+        if state.use_jit:
+            spec.tokens[row] = backup.tokens[row]
+            if spec.dists is not None:
+                spec.dists[row] = backup.dists[row]
+        else:      # a deterministic proposal: a point mass, still exact
+            spec.tokens[row] = ngram_proposal(prompts[row] + seqs.tokens[row], K)
+            if spec.dists is not None:
+                spec.dists[row] = TokenDistribution.point_mass(spec.tokens[row])
+        state.stats.backup_rounds[spec.sources[row]] += 1
+    if spec.dists is not None:   # finished rows keep a placeholder (their outcome is never committed)
+        spec.dists = [d if d is not None else TokenDistribution.point_mass(spec.tokens[row])
+                      for row, d in enumerate(spec.dists)]
+
+
+def round_record(index: int, origin: float, submitted: float, verify: tuple[float, float], cache: SpeculationCache,
+                 hits: int, backup_s: float, outcomes: list[Outcome | None], sources: list[str]) -> dict:
+    """One round of the timeline (seconds since the request started)."""
+    return {"round": index, "verify": [verify[0] - origin, verify[1] - origin],
+            "draft": [cache.started - origin, cache.finished - origin], "submitted": submitted - origin,
+            "hits": hits, "backup": len(outcomes) - hits, "backup_s": backup_s,
+            "accepted": [None if o is None else o.accepted for o in outcomes], "source": list(sources)}
 
 
 def validate_cache(cache: SpeculationCache, batch: int, draft_len: int, vocab: int) -> SpeculationCache:
@@ -381,8 +450,8 @@ def validate_speculation(spec: Speculation, batch: int, draft_len: int, vocab: i
     return spec
 
 
-def finish_without_draft(target, seqs: Sequences, bonus: list[int], rng: np.random.Generator,
-                         stats: RoundStats, failure: BaseException) -> dict:
+def finish_without_draft(target: Engine, seqs: Sequences, bonus: list[int], rng: np.random.Generator,
+                         stats: RoundStats, failure: BaseException | None) -> dict:
     """The draft died, hung or returned garbage: finish every row target-only, exactly as AR would.
 
     The target's cache holds the verified prefix; ``bonus`` is each row's committed-but-unfed token.
@@ -402,3 +471,6 @@ def overlap_summary(timeline: list[dict]) -> dict:
     overlap = sum(max(0.0, min(t["verify"][1], t["draft"][1]) - max(t["verify"][0], t["draft"][0]))
                   for t in timeline)
     return {"verify_overlap_fraction": overlap / verify_total if verify_total else None}
+
+
+SAGUARO = Saguaro()

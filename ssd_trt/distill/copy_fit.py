@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ssd_trt.decoding.backup import longest_match
+from ssd_trt.engines.copy_mixture import longest_match
 from ssd_trt.engines.copy_mixture import CopyMixture
 
 from .model import DraftModel

@@ -6,6 +6,12 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 
+def pin(cores: Sequence[int] | None) -> None:
+    """Pin the calling thread to ``cores`` for good (a worker thread that is one model's device)."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+
+
 @contextmanager
 def pinned(cores: Sequence[int] | None) -> Iterator[None]:
     """Linux: sched_setaffinity(0) affects only the calling thread; elsewhere a no-op."""

@@ -78,3 +78,41 @@ def all_indices(batch: int, tokens: int) -> np.ndarray:
 def last_indices(batch: int, tokens: int, count: int) -> np.ndarray:
     """``logit_indices`` for the last ``count`` new tokens of a step: [B, count] int64."""
     return np.broadcast_to(np.arange(tokens - count, tokens, dtype=np.int64), (batch, count))
+
+
+# -- the engine invariants, checked by every engine with these helpers (one definition each) ---------
+def check_batch(spec: EngineSpec, batch: int) -> None:
+    """A reset must ask for 1..max_batch rows."""
+    from ssd_trt.errors import RequestError
+    if not 1 <= batch <= spec.max_batch:
+        raise RequestError(f"batch {batch} is outside this engine's range 1..{spec.max_batch} ({spec.name}); "
+                           f"rebuild with a larger engine.max_batch or send fewer prompts")
+
+
+def check_room(spec: EngineSpec, longest: int, num_new: int) -> None:
+    """The cache must hold ``num_new`` more tokens after the longest row (a request that passed
+    ``requests.check_request`` always fits; this guards the engine's buffers)."""
+    from ssd_trt.errors import RequestError
+    if longest + num_new > spec.max_context:
+        raise RequestError(f"{spec.name}: {longest + num_new} tokens exceed the engine's max context "
+                           f"{spec.max_context}; shorten the prompt or max_new_tokens, or rebuild with a larger "
+                           f"engine.max_context")
+
+
+def checked_rollback(current: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``lengths`` as int32 when it is a valid rollback of ``current`` (same rows, 0 <= new <= current)."""
+    new = np.asarray(lengths, dtype=np.int32)
+    if new.shape != current.shape or (new < 0).any() or (new > current).any():
+        raise ValueError(f"rollback lengths must be [{len(current)}] ints in [0, current lengths "
+                         f"{current.tolist()}], got {new.tolist()}")
+    return new.copy()
+
+
+def check_keep(current: np.ndarray, row: int, start: int, offsets: np.ndarray) -> None:
+    """``keep`` may only move slots of ``row`` that exist: start + offsets in [start, length)."""
+    if not 0 <= row < len(current):
+        raise ValueError(f"row must be in [0, {len(current)}), got {row}")
+    length = int(current[row])
+    if not 0 <= start <= length or (offsets < 0).any() or (start + offsets >= length).any():
+        raise ValueError(f"keep: slots start + offsets must lie in [start, {length}) for row {row}; got start "
+                         f"{start}, offsets {offsets.tolist()}")

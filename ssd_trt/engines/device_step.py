@@ -7,7 +7,7 @@ differ in how one step is enqueued, :meth:`DeviceStepEngine._launch`):
   updates them in place (the tree-attention kernel writes the T new slots), so it costs O(T) cache
   writes and rollback is just a length change. Batch b < max_batch uses the leading-dimension slice
   [:b] (contiguous, same base address).
-* **CUDA graphs** per shape bucket (``ssd_trt/trt/cuda_graphs.py``): decode / verify / tree steps are
+* **CUDA graphs** per shape bucket (``ssd_trt/engines/cuda_graphs.py``): decode / verify / tree steps are
   padded to a bucket, their inputs copied into the bucket's static buffers and the graph replayed;
   prefill runs eagerly.
 * **A stream** per engine (on a GPU): draft and target run concurrently from two threads on two
@@ -27,9 +27,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ssd_trt.engines.base import EngineSpec
-from ssd_trt.trt.cuda_graphs import GraphBucket, StepGraph, pad_step, plan_buckets, select_bucket
-from ssd_trt.trt.profiles import Profile, select_profile
+from ssd_trt.engines.base import EngineSpec, check_batch, check_keep, check_room, checked_rollback
+from ssd_trt.engines.cuda_graphs import GraphBucket, StepGraph, pad_step, plan_buckets, select_bucket
+from ssd_trt.engines.profiles import Profile, select_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +124,7 @@ class DeviceStepEngine:
     # -- Engine interface ----------------------------------------------------------------------------
     def reset(self, batch: int) -> None:
         """Start ``batch`` empty sequences (cache contents are simply overwritten later)."""
-        if not 1 <= batch <= self.spec.max_batch:
-            raise ValueError(f"batch must be in [1, {self.spec.max_batch}] (engine.max_batch), got {batch}")
+        check_batch(self.spec, batch)
         self._lengths = np.zeros(batch, dtype=np.int32)
 
     @property
@@ -146,10 +145,8 @@ class DeviceStepEngine:
         mask = causal_mask(batch, tokens) if tree_mask is None else np.asarray(tree_mask, dtype=bool)
         if mask.shape != (batch, tokens, tokens) or not mask[:, np.arange(tokens), np.arange(tokens)].all():
             raise ValueError(f"tree_mask must be bool [{batch}, {tokens}, {tokens}] with every token seeing itself")
+        check_room(self.spec, int(self._lengths.max()), tokens)
         room = self.spec.max_context - int(self._lengths.max())
-        if tokens > room:
-            raise ValueError(f"{tokens} new tokens overflow the cache (room {room} of {self.spec.max_context}); "
-                             "roll back or raise engine.max_context")
         profile = select_profile(self._profiles, batch, tokens)
         bucket = select_bucket(self._buckets, batch, tokens, room) if self._buckets else None
         rows, padded = (bucket.batch, bucket.tokens) if bucket else (batch, tokens)
@@ -178,21 +175,12 @@ class DeviceStepEngine:
 
     def rollback(self, lengths: np.ndarray) -> None:
         """Truncate every row to ``lengths`` [B] (<= current): later steps overwrite the tail."""
-        new = np.asarray(lengths, dtype=np.int32)
-        if new.shape != self._lengths.shape or (new < 0).any() or (new > self._lengths).any():
-            raise ValueError(f"rollback lengths must be [{len(self._lengths)}] ints in [0, current lengths "
-                             f"{self._lengths.tolist()}], got {new.tolist()}")
-        self._lengths = new.copy()
+        self._lengths = checked_rollback(self._lengths, lengths)
 
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         """Keep slots ``start + offsets[i]`` of ``row`` as slots ``start + i`` (the accepted tree path)."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        if not 0 <= row < len(self._lengths):
-            raise ValueError(f"row must be in [0, {len(self._lengths)}), got {row}")
-        length = int(self._lengths[row])
-        if not 0 <= start <= length or (offsets < 0).any() or (start + offsets >= length).any():
-            raise ValueError(f"keep: slots start + offsets must lie in [start, {length}) for row {row}; got start "
-                             f"{start}, offsets {offsets.tolist()}")
+        check_keep(self._lengths, row, start, offsets)
         if len(offsets):
             with self._on_device():
                 source = torch.as_tensor(start + offsets, device=self._device)

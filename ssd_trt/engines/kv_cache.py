@@ -10,17 +10,14 @@ from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.engines.base import EngineSpec
-from ssd_trt.errors import RequestError
+from ssd_trt.engines.base import EngineSpec, check_batch, check_keep, check_room, checked_rollback
 
 INITIAL_CAPACITY = 128
 
 
 class KVCache:
     def __init__(self, spec: EngineSpec, batch: int) -> None:
-        if not 1 <= batch <= spec.max_batch:
-            raise RequestError(f"batch {batch} is outside this engine's range 1..{spec.max_batch} "
-                               f"({spec.name}); rebuild with a larger engine.max_batch or send fewer prompts")
+        check_batch(spec, batch)
         self.spec = spec
         self.lengths = np.zeros(batch, dtype=np.int32)
         self.buffers: list[np.ndarray] = []
@@ -44,11 +41,8 @@ class KVCache:
 
     def reserve(self, num_new: int) -> bool:
         """Make room for ``num_new`` more tokens in every row; True when the buffers were replaced."""
+        check_room(self.spec, int(self.lengths.max()), num_new)
         needed = int(self.lengths.max()) + num_new
-        if needed > self.spec.max_context:
-            raise RequestError(f"{self.spec.name}: {needed} tokens exceed the engine's max context "
-                               f"{self.spec.max_context}; shorten the prompt or max_new_tokens, or rebuild "
-                               f"with a larger engine.max_context")
         if needed <= self.capacity:
             return False
         capacity = self.capacity
@@ -58,17 +52,12 @@ class KVCache:
         return True
 
     def rollback(self, lengths: np.ndarray) -> None:
-        lengths = np.asarray(lengths, dtype=np.int32)
-        if lengths.shape != self.lengths.shape or (lengths > self.lengths).any() or (lengths < 0).any():
-            raise ValueError(f"rollback to {lengths.tolist()} is invalid for lengths {self.lengths.tolist()}")
-        self.lengths = lengths.copy()
+        self.lengths = checked_rollback(self.lengths, lengths)
 
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         """Compact a tree step: slots start+offsets[i] become start+i (the accepted path)."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        if offsets.size and (offsets.min() < 0 or start + offsets.max() >= self.lengths[row]):
-            raise ValueError(f"keep offsets {offsets.tolist()} from {start} outside row {row} "
-                             f"of length {self.lengths[row]}")
+        check_keep(self.lengths, row, start, offsets)
         if offsets.size and not np.array_equal(offsets, np.arange(offsets.size)):
             for buffer in self.buffers:
                 view = buffer[row]                     # [H, S, D]; index slots on axis 1

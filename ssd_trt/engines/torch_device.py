@@ -19,7 +19,8 @@ from plugins.tree_attention.triton_kernel import tree_attention as triton_tree_a
 from ssd_trt.engines.base import EngineSpec
 from ssd_trt.engines.device_step import DeviceStepEngine, Placement, StepBuffers
 from ssd_trt.models.decoder import Decoder
-from ssd_trt.trt.profiles import ProfileLimits, derive_profiles
+from ssd_trt.engines.limits import EngineLimits
+from ssd_trt.engines.profiles import derive_profiles
 
 
 def reference_attention_inplace(query, key_new, value_new, key_cache, value_cache, cache_lengths, tree_mask, scale):
@@ -38,7 +39,7 @@ class TorchDeviceEngine(DeviceStepEngine):
     ``"reference"`` (the plain torch math of ``reference.py``: what the kernel is checked against).
     """
 
-    def __init__(self, model: Decoder, limits: ProfileLimits, *, name: str = "model",
+    def __init__(self, model: Decoder, limits: EngineLimits, *, name: str = "model",
                  device: torch.device | str = "cuda", dtype: torch.dtype = torch.float32,
                  placement: Placement = Placement(), use_cuda_graphs: bool = True, kernel: str = "triton") -> None:
         device = torch.device(device)

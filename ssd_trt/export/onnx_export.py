@@ -20,7 +20,7 @@ from plugins.tree_attention.onnx_function import (DOMAIN, MASKED_NAME, NAME, OPS
                                                   masked_attention_function, tree_attention_function)
 from plugins.tree_attention.reference import causal_tree_mask
 from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_LOGITS, past_names, present_names
-from ssd_trt.models.decoder import Decoder
+from ssd_trt.models.decoder import Decoder, with_named_weights
 
 PLUGIN_VERSION = "1"
 _SYMBOLIC_REGISTERED: list[bool] = []
@@ -67,6 +67,7 @@ class _StepGraph(torch.nn.Module):
 def trace_step_graph(model: Decoder) -> onnx.ModelProto:
     """Trace the step graph with dynamic batch, new-token count, logit count, mask words and cache capacity."""
     _register_symbolic()
+    model = with_named_weights(model)          # every linear's weight is an initializer '<module>.weight_t'
     batch, num_new, capacity = 2, 3, 8
     args = (torch.zeros(batch, num_new, dtype=torch.int64),
             torch.arange(num_new).repeat(batch, 1),

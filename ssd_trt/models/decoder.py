@@ -138,8 +138,7 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(c), persistent=False)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = hidden @ weight.t()
+        logits = hidden @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(hidden)
         if self.lm_head_token_ids is None:
             return logits
         # Reduced draft head: tokens outside the subset get -inf, i.e. q = 0. Lossless, because
@@ -174,3 +173,32 @@ class Decoder(nn.Module):
         shape = (batch, c.num_kv_heads, capacity, c.head_dim)
         dtype = self.embed_tokens.weight.dtype
         return [torch.zeros(shape, dtype=dtype) for _ in range(2 * c.num_layers)]
+
+
+class TransposedLinear(nn.Module):
+    """y = x @ weight_t (+ bias): a linear layer whose weight, stored [in, out], exports as a graph
+    initializer named ``<module>.weight_t`` (torch's Linear exports an anonymous transposed copy), so the
+    build can find each layer's weight in the traced graph (``export/block_weights.py``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+def with_named_weights(model: Decoder) -> Decoder:
+    """A copy of ``model`` computing the same function with every linear layer, the LM head included (a
+    tied head becomes its own copy of the embedding), as a :class:`TransposedLinear`."""
+    import copy
+    named = copy.deepcopy(model)
+    for module in list(named.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, TransposedLinear(child.weight, child.bias))
+    if named.lm_head is None:
+        named.lm_head = TransposedLinear(named.embed_tokens.weight)
+    return named

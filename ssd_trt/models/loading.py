@@ -65,8 +65,8 @@ def load_tokenizer(source: ResolvedSource):
 
 @contextmanager
 def transformers_progress_bars_off() -> Iterator[None]:
-    """Silence transformers' own per-load bars (GGUF dequantisation, weight loading) inside a caller that
-    shows its own progress (the build); restores the previous setting."""
+    """Silence transformers' own per-load bars inside a caller that shows its own progress (the build);
+    restores the previous setting. (Its GGUF dequantisation bar uses tqdm directly and still shows.)"""
     from transformers.utils import logging
     was_on = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()

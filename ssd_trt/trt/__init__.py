@@ -1,6 +1,6 @@
-"""TensorRT path: availability probe, optimisation profiles, binding layout, engine build, runtime.
+"""Building TensorRT engines (build side only; opening and running them is ``ssd_trt.engines``).
 
 Nothing here imports TensorRT at import time (constructing TensorRT objects without a GPU kills the
-process): ``availability.probe_tensorrt`` asks in a subprocess, ``engine_build.build_engine`` and
-``engine.TensorRTEngine`` import it only after the probe says yes.
+process): ``engines.availability.probe_tensorrt`` asks in a subprocess, ``engine_build.build_engine``
+imports TensorRT only after the probe says yes.
 """

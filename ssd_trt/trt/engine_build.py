@@ -22,9 +22,10 @@ import onnx
 
 from plugins.tree_attention.trt_plugin import PLUGIN_ID, PLUGIN_NAME, validate_onnx_node
 from ssd_trt.manifest import sha256_file
-from ssd_trt.trt.availability import probe_tensorrt
-from ssd_trt.trt.bindings import BindingLayout
-from ssd_trt.trt.profiles import Profile, ProfileLimits, derive_profiles
+from ssd_trt.engines.availability import probe_tensorrt
+from ssd_trt.engines.bindings import BindingLayout
+from ssd_trt.engines.limits import EngineLimits
+from ssd_trt.engines.profiles import Profile, derive_profiles
 
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -59,7 +60,7 @@ def check_plugin_nodes(model: onnx.ModelProto) -> list[float]:
     return [validate_onnx_node(node) for node in nodes]
 
 
-def profile_table(layout: BindingLayout, limits: ProfileLimits,
+def profile_table(layout: BindingLayout, limits: EngineLimits,
                   ) -> list[tuple[Profile, dict[str, tuple[tuple[int, ...], ...]]]]:
     """Each optimisation profile with the (min, opt, max) shape of every graph input."""
     return [(profile, layout.input_ranges(profile, limits)) for profile in derive_profiles(limits)]
@@ -79,7 +80,7 @@ def manifest_entry(out_path: Path, table, precision: str, trt_version: str, sm: 
     }
 
 
-def build_engine(onnx_path: Path, out_path: Path, limits: ProfileLimits, precision: str, timing_cache: Path,
+def build_engine(onnx_path: Path, out_path: Path, limits: EngineLimits, precision: str, timing_cache: Path,
                  log_path: Path) -> dict:
     """Build ``out_path`` from the TensorRT-flavour ONNX and return its manifest entry.
 

@@ -120,10 +120,7 @@ def parse_request(request, pb_utils, generator: Generator, streaming_model: bool
         top_k=0 if values["top_k"] is None else int(values["top_k"]),
         seed=None if values["random_seed"] is None else int(values["random_seed"]))
     ids = generator.encode(prompt, chat=bool(values["chat"]) if values["chat"] is not None else False)
-    limit = generator.limits["max_context"]
-    if len(ids) + max_tokens > limit:
-        raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's max "
-                           f"context {limit}; lower max_tokens or shorten the prompt")
+    [ids], _ = generator.check_request([ids], params, mode)     # the runtime's one request check
     return Job(ids, params, mode, stream, request.get_response_sender())
 
 
@@ -213,8 +210,8 @@ class ModelServer:
             ids = generator.encode(WARMUP_PROMPT)
             for mode in MODES:
                 generator.generate_ids([ids], SamplingParams(max_new_tokens=2), mode=mode)
-        max_rows = int(params.get("max_batch_rows") or 0) or generator.limits["max_batch"]
-        max_rows = min(max_rows, generator.limits["max_batch"])
+        max_rows = int(params.get("max_batch_rows") or 0) or generator.limits.max_batch
+        max_rows = min(max_rows, generator.limits.max_batch)
         streaming = pb_utils.using_decoupled_model_transaction_policy(model_config)
         log(f"ssd_trt: loaded {artifact_dir} in {time.perf_counter() - started:.1f}s "
             f"(streaming={streaming}, max batch rows {max_rows})")

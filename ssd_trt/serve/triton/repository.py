@@ -80,7 +80,7 @@ def export_repository(artifact_dir: str | Path, out: str | Path, options: Export
         raise SsdTrtError(f"model name {options.model_name!r} must be letters, digits, '_' or '-'")
     if options.instances < 1:
         raise SsdTrtError(f"--instances must be >= 1, got {options.instances}")
-    max_batch = manifest["recipe"]["engine"]["max_batch"]
+    max_batch = manifest.recipe.engine.max_batch
     if not 0 <= options.max_batch_rows <= max_batch:
         raise SsdTrtError(f"--max-batch-rows must be in 0..{max_batch} (the engine's max batch), "
                           f"got {options.max_batch_rows}")

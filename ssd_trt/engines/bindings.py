@@ -22,7 +22,8 @@ from pathlib import Path
 import onnx
 
 from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_LOGITS, past_names, present_names
-from ssd_trt.trt.profiles import Profile, ProfileLimits, mask_words
+from ssd_trt.engines.limits import EngineLimits
+from ssd_trt.engines.profiles import Profile, mask_words
 
 Dim = int | str  # a static size, or the name of a dynamic dimension ("?" when unnamed)
 
@@ -91,7 +92,7 @@ class BindingLayout:
                  "kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab": self.vocab_size}
         return tuple(sizes[role] for role in tensor.roles)
 
-    def input_ranges(self, profile: Profile, limits: ProfileLimits,
+    def input_ranges(self, profile: Profile, limits: EngineLimits,
                      ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
         """(min, opt, max) shape of every input for one optimisation profile."""
         capacity = self.static_capacity() or limits.max_context

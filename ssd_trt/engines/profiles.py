@@ -16,34 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ssd_trt.engines.limits import EngineLimits
+
 MASK_WORD_BITS = 32
-
-
-@dataclass(frozen=True, slots=True)
-class ProfileLimits:
-    """The recipe numbers that fix every shape (``recipe.engine.*``)."""
-    max_batch: int
-    max_context: int
-    max_draft_len: int  # K
-    max_tree_size: int  # N: tree tokens decoded in one draft step
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch", "max_context", "max_draft_len", "max_tree_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_draft_len + 1 > self.max_context:
-            raise ValueError(f"engine.max_draft_len + 1 ({self.max_draft_len + 1}) exceeds engine.max_context "
-                             f"({self.max_context})")
-        if self.max_tree_size > self.max_context:
-            raise ValueError(f"engine.max_tree_size ({self.max_tree_size}) exceeds engine.max_context "
-                             f"({self.max_context})")
-
-    @classmethod
-    def from_recipe(cls, recipe) -> "ProfileLimits":
-        """Read ``recipe.engine.{max_batch, max_context, max_draft_len, max_tree_size}``."""
-        engine = recipe.engine
-        return cls(int(engine.max_batch), int(engine.max_context), int(engine.max_draft_len),
-                   int(engine.max_tree_size))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +49,7 @@ def mask_words(tokens: int) -> int:
     return (tokens + MASK_WORD_BITS - 1) // MASK_WORD_BITS
 
 
-def derive_profiles(limits: ProfileLimits, prefill_opt: int = 256) -> tuple[Profile, ...]:
+def derive_profiles(limits: EngineLimits, prefill_opt: int = 256) -> tuple[Profile, ...]:
     """The optimisation profiles of an engine, in selection order (first match wins).
 
     Duplicate token ranges are dropped (e.g. a tree of N = K + 1 tokens is the verify shape).

@@ -16,9 +16,8 @@ def maybe_build_engines(recipe: Recipe, out: Path, models: dict[str, Any]) -> di
     if recipe.engine.backend == "ort":
         return {"status": "skipped", "reason": "recipe asks for backend 'ort' (ONNX Runtime only)"}
     try:
-        from ssd_trt.trt.availability import probe_tensorrt
+        from ssd_trt.engines.availability import probe_tensorrt
         from ssd_trt.trt.engine_build import build_engine
-        from ssd_trt.trt.profiles import ProfileLimits
     except ImportError as exc:  # the TensorRT path is optional
         return {"status": "stopped at ONNX", "reason": f"TensorRT path not installed ({exc})"}
     available, reason = probe_tensorrt()
@@ -29,8 +28,7 @@ def maybe_build_engines(recipe: Recipe, out: Path, models: dict[str, Any]) -> di
                               f"ONNX artifacts are in {out}; set engine.backend to 'auto' or 'ort' to use them")
         return {"status": "stopped at ONNX", "reason": reason}
     e = recipe.engine
-    limits = ProfileLimits(max_batch=e.max_batch, max_context=e.max_context, max_draft_len=e.max_draft_len,
-                           max_tree_size=e.max_tree_size)
+    limits = e.limits
     artifacts, engines = [], {}
     for role in ("target", "draft"):
         engine_path = out / role / "engine.plan"

@@ -21,9 +21,9 @@ import torch
 from ssd_trt.engines.base import EngineSpec, past_names, present_names
 from ssd_trt.engines.device_step import DeviceStepEngine, Placement, StepBuffers, causal_mask, \
     place_draft_and_target
-from ssd_trt.trt.availability import probe_tensorrt
-from ssd_trt.trt.bindings import BindingLayout
-from ssd_trt.trt.profiles import Profile
+from ssd_trt.engines.availability import probe_tensorrt
+from ssd_trt.engines.bindings import BindingLayout
+from ssd_trt.engines.profiles import Profile
 
 __all__ = ["Placement", "TensorRTEngine", "causal_mask", "check_spec", "place_draft_and_target"]
 

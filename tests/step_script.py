@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ssd_trt.decoding.batch import feed_ragged
-from ssd_trt.decoding.speculative import tree_mask_from_parents
+from ssd_trt.engines.feeding import feed_ragged, tree_mask_from_parents
 
 TREE_PARENTS = [-1, 0, 0, 1, 2]          # two branches of depth 2
 TREE_DEPTHS = np.array([0, 1, 1, 2, 2])

@@ -25,7 +25,7 @@ import numpy as np
 
 from plugins.tree_attention.reference import pack_tree_mask
 from ssd_trt.engines.base import all_indices
-from ssd_trt.trt.profiles import Profile
+from ssd_trt.engines.profiles import Profile
 
 
 # A ranged profile gets buckets when its longest step has at most this many tokens: SSD's draft tree

@@ -1,0 +1,38 @@
+"""What a decoding mode is to the runtime: a strategy object (the registry is ``decoding/modes.py``).
+
+A mode says which engines it needs, resolves a request's settings from the runtime options and the
+build's decoding defaults into a :class:`Plan` (what the runtime checks against the engine limits before
+any engine runs), and runs. Adding a mode is one new module with such an object plus a registry line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+from ssd_trt.decoding.batch import Sequences
+from ssd_trt.engines.base import Engine
+from ssd_trt.engines.placement import ModelPlacement
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request's resolved mode settings."""
+    draft_len: int | None          # K, checked against engine.max_draft_len (None: the mode drafts nothing)
+    headroom: int                  # cache slots a round may write past the committed text
+    tree_tokens: int = 0           # tokens of the mode's largest draft tree step (0: none), vs max_tree_size
+    tree_what: str = ""            # how an error message names that step
+    settings: Any = None           # the mode's own settings (e.g. SaguaroConfig)
+
+
+class Mode(Protocol):
+    name: str
+    roles: tuple[str, ...]         # engines it needs: ("target",) or ("target", "draft")
+
+    def plan(self, options: Any, defaults: Any) -> Plan:
+        """``options``: RuntimeOptions; ``defaults``: the build's DecodingDefaults. Raises RequestError."""
+
+    def run(self, engines: Mapping[str, Engine], prompts: list[list[int]], seqs: Sequences,
+            rng: np.random.Generator, plan: Plan, placements: Mapping[str, ModelPlacement]) -> dict:
+        """Decode until every row of ``seqs`` is done; return the mode's statistics."""

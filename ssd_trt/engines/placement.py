@@ -1,0 +1,16 @@
+"""Where one model runs on a CPU: which cores, how many ONNX Runtime threads, whether idle threads spin.
+
+(On a GPU the factory places the draft and the target itself: two GPUs, or two streams of one,
+``device_step.place_draft_and_target``.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlacement:
+    cores: tuple[int, ...] | None = None    # None: let the OS place the threads
+    threads: int = 1
+    spin: bool = True                      # spin-waiting pays only when the model has its cores to itself
+    timeout_s: float = 60.0                # a call that takes longer is abandoned (the draft in SSD)
