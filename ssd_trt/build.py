@@ -168,7 +168,8 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         bar.update()
     for role in ROLES:
         step(f"export {role}")
-        blocks = model_block_weights(getattr(recipe, role).weights, sources[role], models[role])
+        blocks = model_block_weights(getattr(recipe, role).weights, sources[role], models[role],
+                                     keep_8bit=getattr(recipe, role).activations == "int8")
         traced = trace_step_graph(models[role])
         if blocks:
             traced, quantization[role] = apply_block_weights(traced, blocks)
@@ -181,8 +182,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
     for role in ROLES:
         step(f"validate {role}")
         validation[role] = validate_with_polygraphy(models[role], out / role / "model.ort.onnx",
-                                                    [tuple(s) for s in recipe.validate_shapes],
-                                                    int8_activations=recipe.engine.quantized_matmul_activations == "int8")
+                                                    [tuple(s) for s in recipe.validate_shapes])
         if not validation[role]["passed"]:
             raise SsdTrtError(f"{role} ONNX graph disagrees with the torch model "
                               f"(max abs error {validation[role]['max_abs_error']:.3g}); see {out}")
@@ -248,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         p, v = manifest.model(role).parity_vs_transformers, manifest.validation[role]
         parity = (f"logits vs {p['reference']}: max |diff| {p['max_abs_diff']:.2e}" if p.get("max_abs_diff") is not None
                   else f"no transformers reference ({p.get('reason', 'not measured')})")
-        print(f"  {role}: {parity}; ONNX vs torch (Polygraphy, {len(v['shapes'])} step shapes): "
+        q = manifest.model(role).quantization
+        built = q and any(kind.endswith("(built)") for kind in q["kinds"])
+        weights = (f"; {q['layers']} layers as {', '.join(q['kinds'])} blocks"
+                   + (" (the parity above is of the float weights, before quantization)" if built else "")) if q else ""
+        print(f"  {role}: {parity}{weights}; ONNX vs torch (Polygraphy, {len(v['shapes'])} step shapes): "
               f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}")
     print(f"  tensorrt: {manifest.tensorrt['status']}: {manifest.tensorrt['reason']}")
     return 0

@@ -27,6 +27,11 @@ class ModelSpec(BaseModel):
     weights: Literal["float", "gguf", "int8", "int4"] = Field(
         "float", description="float: dequantized to dtype; gguf: the GGUF's own Q4_0/Q4_1/Q8_0 blocks, exact to "
                              "the file (a .gguf source); int8 / int4: block-32 weights quantized at build (drafts)")
+    activations: Literal["fp32", "int8"] = Field(
+        "fp32", description="what ONNX Runtime's fused 4/8-bit MatMuls multiply the block weights with: fp32 "
+                            "(accuracy level 1) or int8 (level 4, as llama.cpp does: faster, an approximation "
+                            "of the float model; every step is fed as 2+ rows so that it stays exact across "
+                            "step shapes, engines/ort.py)")
     tokenizer: str | None = Field(None, description="where the tokenizer is: another source, or 'target' "
                                                     "(a draft trained on the target's tokenizer); default: source")
 
@@ -43,9 +48,6 @@ class EngineRecipe(EngineLimits):
     model_config = ConfigDict(extra="forbid", frozen=True)
     backend: Literal["auto", "ort", "trt"] = "auto"
     trt_precision: Literal["fp32", "fp16", "bf16"] = "fp16"
-    quantized_matmul_activations: Literal["fp32", "int8"] = Field(
-        "fp32", description="ONNX Runtime's fused 4/8-bit MatMul: fp32 activations (accuracy level 1) or int8 "
-                            "(level 4, faster, as llama.cpp does)")
     threads_per_engine: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads")
 
 

@@ -11,7 +11,6 @@ import pytest
 from tests.helpers import perturbed, random_decoder, save_hf_checkpoint, tiny_config, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_BUILD = ROOT / "build" / "smollm2-135m"
 
 
 def pytest_configure(config):
@@ -36,9 +35,20 @@ def tiny_pairs(tmp_path_factory) -> dict[str, Path]:
     return builds
 
 
+def _built(recipe: str) -> Path:
+    """A shipped recipe's build dir, built here if missing or stale (a few minutes on 2 cores)."""
+    subprocess.run([sys.executable, "-m", "ssd_trt.build", str(ROOT / "recipes" / recipe), "--if-stale"],
+                   cwd=ROOT, check=True)
+    return ROOT / "build" / Path(recipe).stem
+
+
 @pytest.fixture(scope="session")
 def smollm2_build() -> Path:
-    """The embedded default's build dir (built here if missing or stale: a few minutes on 2 cores)."""
-    subprocess.run([sys.executable, "-m", "ssd_trt.build", str(ROOT / "recipes" / "smollm2-135m.yaml"), "--if-stale"],
-                   cwd=ROOT, check=True)
-    return SMOLLM2_BUILD
+    """The embedded default: the GGUF's 4-bit blocks in the graph, int8 activations."""
+    return _built("smollm2-135m.yaml")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_build() -> Path:
+    """The embedded pair with fp32 weights and activations: the transformers-parity reference."""
+    return _built("smollm2-135m-fp32.yaml")

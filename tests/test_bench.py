@@ -42,6 +42,8 @@ def test_bench_reports_every_preset_tunes_on_the_tuning_split_and_plots(tiny_pai
             assert summary[mode]["prompts"] == 2 and summary[mode]["mean_accepted"] is not None
             assert summary[mode]["draft_latency_s"] > 0 and summary[mode]["verify_latency_s"] > 0
         assert summary["ssd"]["cache_hit_rate"] is not None
+        for mode in ("sd", "ssd"):   # the rounds alone come closer to the per-verification ceiling
+            assert summary[mode]["decode_ceiling_fraction"] > summary[mode]["ceiling_fraction"] > 0
         # exactness against AR is reported at T = 0 only (sampled modes draw from other random streams)
         assert all(s["exact_prompts"] == (2 if name == "greedy" else None) for s in summary.values())
         for plot in ("tokens_per_category", "ssd_timeline", "sweeps"):
@@ -65,3 +67,25 @@ def test_bench_refuses_to_tune_on_the_prompts_it_reports(tiny_pairs, tmp_path):
     result = bench(tiny_pairs["perturbed"], tmp_path, measured, prompts_file(tmp_path / "t.jsonl", ["w9"]),
                    "--sampling", "nucleus")
     assert result.returncode == 2 and "unknown --sampling preset" in result.stderr
+
+
+def test_other_builds_of_the_same_target_run_ar_side_by_side(tiny_pairs, tmp_path):
+    """--ar-builds adds a build's AR as a row with its agreement with this build's AR; a build of another
+    target is refused before any work."""
+    measured = prompts_file(tmp_path / "measured.jsonl", ["w1 w2 w3", "w4 w5 w6"])
+    tuning = prompts_file(tmp_path / "tuning.jsonl", ["w7 w8 w9"])
+    result = bench(tiny_pairs["perturbed"], tmp_path, measured, tuning, "--modes", "ar",
+                   "--ar-builds", f"ar_self={tiny_pairs['self']}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "results.json").read_text())["presets"]["greedy"]["settings"][
+        "paper-style"]["summary"]
+    assert set(summary) == {"ar", "ar_self"}
+    # the same target file, the same fp32 kernels: identical text
+    assert summary["ar_self"]["agreement_with_ar"] == {"identical_prompts": 2, "prompts": 2,
+                                                        "mean_agreeing_prefix": 1.0}
+    from ssd_trt.build import build
+    from tests.helpers import random_decoder, save_hf_checkpoint, tiny_config, write_recipe
+    other_target = save_hf_checkpoint(random_decoder(tiny_config(), seed=3), tmp_path / "other-target")
+    other = build(write_recipe(tmp_path / "other.yaml", other_target, other_target, name="tiny-other"), root=tmp_path)
+    refused = bench(tiny_pairs["perturbed"], tmp_path, measured, tuning, "--ar-builds", f"other={other}")
+    assert refused.returncode == 2 and "is built from another target" in refused.stderr, refused.stderr[-2000:]

@@ -1,7 +1,7 @@
 """The embedded pair (SmolLM2-135M-Instruct + its distilled draft): lossless and predictable.
 
 Greedy SD and SSD are token-identical to AR on 50 varied prompts of the project's prompt set, and
-SSD's speculation cache hits at least 70% of the time at temperature 0.
+SSD's speculation cache hits at least 70% of the time at temperature 0 (over the whole set).
 """
 from __future__ import annotations
 
@@ -49,10 +49,17 @@ def test_the_shipped_draft_drafts_with_its_copy_component(smollm2_build):
 
 
 @pytest.mark.slow
-def test_ssd_cache_hit_rate_is_at_least_070_at_temperature_0(runs):
-    """At the build's defaults (K, fan-out budget from the recipe's ``decoding``), pooled over rounds."""
-    stats = [r.stats for r in runs["ssd"] if r.stats["cache_hit_rate"] is not None]
-    assert len(stats) >= NUM_PROMPTS - 2
+def test_ssd_cache_hit_rate_is_at_least_070_at_temperature_0(smollm2_build):
+    """At the build's defaults (K, fan-out budget from the recipe's ``decoding``), pooled over the rounds of
+    the whole prompt set at 64 new tokens (~3800 rounds: the hit rate's standard error ~0.007; on 50
+    prompts x 16 tokens, ~400 rounds, it is ~0.02, as wide as the margin). README "SSD cache hit rate"."""
+    from ssd_trt.bench.settings import PAPER_STYLE      # target core 0, draft core 1, as scripts/measure_hit_rate.py
+    gen = ssd_trt.load(smollm2_build, PAPER_STYLE.options("ssd", None))
+    params = ssd_trt.SamplingParams(max_new_tokens=64)
+    stats = [gen.generate_ids([gen.encode(p.prompt, chat=True)], params, mode="ssd")[0].stats
+             for p in round_robin(108)]
+    stats = [s for s in stats if s["cache_hit_rate"] is not None]
+    assert len(stats) >= 100
     rounds = sum(s["rounds"] for s in stats)
     hit_rate = sum(s["cache_hit_rate"] * s["rounds"] for s in stats) / rounds
     acceptance = sum(s["acceptance_rate"] * s["rounds"] for s in stats) / rounds

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 import ssd_trt
+from ssd_trt.bench import llama_cpp
 from ssd_trt.bench.prompts import DEFAULT_PROMPTS, TUNING_PROMPTS, load_prompts
-from ssd_trt.bench.runner import by_category, run_engine, run_hf, summarise
+from ssd_trt.bench.runner import agreement, by_category, run_engine, run_hf, summarise
 from ssd_trt.bench.settings import PRESETS, SETTINGS, SamplingPreset
 from ssd_trt.bench.speed_model import predicted_speedup
 from ssd_trt.errors import SsdTrtError
@@ -33,7 +34,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field")
     p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     p.add_argument("--modes", default="ar,sd,ssd")
-    p.add_argument("--baselines", default="hf,hf_assisted", help="comma list of hf, hf_assisted, or 'none'")
+    p.add_argument("--baselines", default="hf,hf_assisted,llama_cpp,llama_cpp_lookup",
+                   help="comma list of hf, hf_assisted, llama_cpp, llama_cpp_lookup, or 'none' (llama.cpp ones "
+                        "need the optional llama-cpp-python and a .gguf target; skipped with a note otherwise)")
+    p.add_argument("--ar-builds", default="",
+                   help="comma list of LABEL=BUILD_DIR: other builds of the same target whose greedy AR runs side by "
+                        "side as rows LABEL, with its agreement with this build's AR (e.g. "
+                        "ar_fp32=build/smollm2-135m-fp32)")
     p.add_argument("--settings", default="paper,equal", help="paper, equal (see bench/settings.py)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sampling", default="greedy",
@@ -65,6 +72,41 @@ def choose_prompts(args):
                 seen[p.category] = seen.get(p.category, 0) + 1
         prompts = kept
     return prompts
+
+
+def usable_baselines(wanted: str, manifest) -> tuple[str, dict[str, str]]:
+    """The baselines that can run here, and why each other one asked for is skipped."""
+    keep, skipped = [], {}
+    for name in [b for b in wanted.split(",") if b and b != "none"]:
+        if name in llama_cpp.NAMES:
+            reason = llama_cpp.unavailable_reason()
+            if reason is None and not manifest.model("target").source.endswith(".gguf"):
+                reason = "the target is not built from a .gguf file (llama.cpp runs the same file)"
+            if reason is not None:
+                skipped[name] = reason
+                print(f"ssd_trt.bench: skipping {name}: {reason}", file=sys.stderr)
+                continue
+        elif name not in BASELINES:
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join([*BASELINES, *llama_cpp.NAMES])}")
+        keep.append(name)
+    return ",".join(keep) or "none", skipped
+
+
+def other_ar_builds(spec: str, manifest) -> list[tuple[str, Path]]:
+    """--ar-builds LABEL=DIR,...: builds of the same target file (so the same prompt token ids)."""
+    from ssd_trt.manifest import read_manifest
+    out = []
+    for item in [i for i in spec.split(",") if i]:
+        label, _, path = item.partition("=")
+        if not path or label in (*ENGINE_MODES, *BASELINES.values(), *llama_cpp.NAMES):
+            raise ValueError(f"--ar-builds item {item!r}: write LABEL=BUILD_DIR with a label not already a mode "
+                             f"or baseline")
+        other = read_manifest(Path(path))
+        if other.model("target").source_sha256 != manifest.model("target").source_sha256:
+            raise ValueError(f"--ar-builds {label}: {path} is built from another target "
+                             f"({other.model('target').source}); compare builds of the same model")
+        out.append((label, Path(path)))
+    return out
 
 
 def presets(args) -> list[SamplingPreset]:
@@ -124,6 +166,11 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
     for name in [b for b in args.baselines.split(",") if b in BASELINES]:
         runs_by_mode[BASELINES[name]] = run_hf(target, draft if name == "hf_assisted" else None, setting, prompts,
                                                encoded, args.max_new_tokens, eos_ids, BASELINES[name])
+    for label, other_build in (args.ar_builds if params.greedy else []):   # their point: agreement at T = 0
+        runs_by_mode[label] = run_engine(other_build, setting, "ar", prompts, encoded, params, label=label)
+    for name in [b for b in args.baselines.split(",") if b in llama_cpp.NAMES]:
+        runs_by_mode[name] = llama_cpp.run_llama_cpp(args.gguf, setting, prompts, encoded, args.max_new_tokens,
+                                                     eos_ids, name)
     # token-identical to AR is the check at T = 0; sampled modes are checked by their distribution (tests)
     reference = ar_runs if params.greedy else None
     for mode, runs in runs_by_mode.items():
@@ -132,8 +179,16 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
     for mode in [m for m in ENGINE_MODES if m in modes]:   # what a short request waits (startup cost)
         results[mode]["two_token_latency_s"] = two_token_latency(build, setting, mode, prompts, encoded, params,
                                                                  chosen)
+    if params.greedy:    # engines with other kernels: how often their greedy text is this build's AR text
+        for name in [*llama_cpp.NAMES, *(label for label, _ in args.ar_builds)]:
+            if name in runs_by_mode:
+                results[name]["agreement_with_ar"] = agreement([r.tokens for r in runs_by_mode[name]],
+                                                               [r.tokens for r in ar_runs])
+        if "hf_ar" in runs_by_mode:   # the AR row checked against an independent reference, not itself
+            results["ar"]["agreement_with_transformers"] = agreement([r.tokens for r in ar_runs],
+                                                                     [r.tokens for r in runs_by_mode["hf_ar"]])
     for mode, summary in results.items():
-        for base in ("ar", "sd", "hf_ar", "hf_assisted"):
+        for base in ("ar", "sd", "hf_ar", "hf_assisted", "llama_cpp"):
             if base in results and base != mode and results[base]["tokens_per_s"]:
                 summary[f"speedup_vs_{base}"] = summary["tokens_per_s"] / results[base]["tokens_per_s"]
     model = predicted_speedup(runs_by_mode.get("ssd", []), results["ar"]["tokens_per_s"])
@@ -160,7 +215,7 @@ def two_token_latency(build, setting, mode: str, prompts, encoded, params, chose
 
 def table(name: str, summary: dict) -> str:
     head = f"{'mode':12s} {'tok/s':>7s} {'ttft':>6s} {'2tok':>6s} {'acc':>5s} {'hit':>5s} {'draft':>6s} " \
-           f"{'verif':>6s} {'exact':>7s} {'xAR':>5s} {'xSD':>5s} {'xHF':>5s} {'xHFas':>5s} {'ceil%':>6s}"
+           f"{'verif':>6s} {'exact':>7s} {'xAR':>5s} {'xSD':>5s} {'xHF':>5s} {'xHFas':>5s} {'xLC':>5s} {'ceil%':>6s}"
     lines = [f"== {name} ==", head]
 
     def f(v, fmt):
@@ -176,6 +231,7 @@ def table(name: str, summary: dict) -> str:
                      f"{f(s['cache_hit_rate'], '5.2f')} {ms(s.get('draft_latency_s'))} {ms(s.get('verify_latency_s'))} "
                      f"{exact:>7s} {f(s.get('speedup_vs_ar'), '5.2f')} {f(s.get('speedup_vs_sd'), '5.2f')} "
                      f"{f(s.get('speedup_vs_hf_ar'), '5.2f')} {f(s.get('speedup_vs_hf_assisted'), '5.2f')} "
+                     f"{f(s.get('speedup_vs_llama_cpp'), '5.2f')} "
                      f"{f(100 * s['ceiling_fraction'] if s['ceiling_fraction'] else None, '6.1f')}")
     lines.append("(2tok: median seconds of a 2-token request; acc: draft tokens accepted per round; draft / verif: "
                  "ms per round; exact: token-identical to ar at T = 0, '-' when sampling)")
@@ -196,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         encoded = [probe.encode(p.prompt, chat=args.chat) for p in prompts]
         tuning = (tuning_prompts, [probe.encode(p.prompt, chat=args.chat) for p in tuning_prompts])
         eos_ids = sorted(probe.eos_ids)
+        args.baselines, skipped = usable_baselines(args.baselines, probe.manifest)
+        args.gguf = Path(probe.manifest.model("target").source)
+        args.ar_builds = other_ar_builds(args.ar_builds, probe.manifest)
+        weights = {role: f"{getattr(probe.manifest.recipe, role).weights} weights, "
+                         f"{getattr(probe.manifest.recipe, role).activations} activations" for role in ("target", "draft")}
         hf_pair = None
         if any(b in BASELINES for b in args.baselines.split(",")):
             from ssd_trt.bench.baselines import load_hf_pair
@@ -210,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                          "max_new_tokens": args.max_new_tokens, "chat": args.chat,
                          "date": datetime.datetime.now().isoformat(timespec="seconds"),
                          "machine": f"{platform.machine()} {platform.processor()} cpus={len(__import__('os').sched_getaffinity(0))}",
-                         "hf_note": None if hf_pair is None else hf_pair[2],
-                         "weights": "fp32 in every mode and baseline"},
+                         "hf_note": None if hf_pair is None else hf_pair[2], "skipped_baselines": skipped,
+                         "weights": weights, "ar_builds": {label: str(path) for label, path in args.ar_builds}},
               "presets": {}}
     from ssd_trt.bench import plots
     for preset in chosen_presets:

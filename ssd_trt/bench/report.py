@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 COLUMNS = ("mode", "tok/s", "TTFT s", "2-token s", "accepted/round", "cache hit", "draft ms/round",
-           "verify ms/round", "exact", "×AR", "×SD", "×HF AR", "×HF assisted", "% of ceiling")
+           "verify ms/round", "exact", "×AR", "×SD", "×HF AR", "×HF assisted", "×llama.cpp", "% of ceiling (decode phase)")
 
 
 def _cell(value, fmt: str) -> str:
@@ -25,8 +25,9 @@ def row(mode: str, s: dict) -> str:
              _cell(s.get("cache_hit_rate"), ".2f"), _cell(ms(s.get("draft_latency_s")), ".1f"),
              _cell(ms(s.get("verify_latency_s")), ".1f"), exact, _cell(s.get("speedup_vs_ar"), ".2f"),
              _cell(s.get("speedup_vs_sd"), ".2f"), _cell(s.get("speedup_vs_hf_ar"), ".2f"),
-             _cell(s.get("speedup_vs_hf_assisted"), ".2f"),
-             _cell(None if s.get("ceiling_fraction") is None else 100 * s["ceiling_fraction"], ".1f")]
+             _cell(s.get("speedup_vs_hf_assisted"), ".2f"), _cell(s.get("speedup_vs_llama_cpp"), ".2f"),
+             _cell(None if s.get("ceiling_fraction") is None else 100 * s["ceiling_fraction"], ".1f")
+             + ("" if s.get("decode_ceiling_fraction") is None else f" ({100 * s['decode_ceiling_fraction']:.1f})")]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -43,6 +44,11 @@ def tables(report: dict) -> str:
             out += [f"**{label} — {setting}** ({outcome['setting']}; tuned on the tuning split: {picks})", "",
                     "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
             out += [row(mode, s) for mode, s in outcome["summary"].items()]
+            vs_hf = outcome["summary"].get("ar", {}).get("agreement_with_transformers")
+            if vs_hf:
+                out += ["", f"AR against transformers' greedy on the fp32 model (the independent reference): "
+                            f"{vs_hf['identical_prompts']}/{vs_hf['prompts']} outputs identical, mean agreeing prefix "
+                            f"{vs_hf['mean_agreeing_prefix']:.3f}."]
             out.append("")
     return "\n".join(out)
 

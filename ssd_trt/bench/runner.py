@@ -73,12 +73,25 @@ def summarise(runs: list[PromptRun], reference: list[PromptRun] | None) -> dict:
     for key in ROUND_KEYS:
         values = [r.stats.get(key) for r in runs if r.stats.get(key) is not None]
         out[key] = float(np.mean(values)) if values else None
-    if out["mean_accepted"] is not None and out["verify_latency_s"]:
-        out["ceiling_tokens_per_s"] = (out["mean_accepted"] + 1) / out["verify_latency_s"]
-        out["ceiling_fraction"] = out["tokens_per_s"] / out["ceiling_tokens_per_s"]
-    else:
-        out["ceiling_tokens_per_s"] = out["ceiling_fraction"] = None
+    ttfts = [r.ttft_s for r in runs if r.ttft_s is not None]
+    add_ceiling(out, sum(ttfts) if len(ttfts) == len(runs) else None)
     return out
+
+
+def add_ceiling(summary: dict, prefill_seconds: float | None) -> None:
+    """The ceiling is (mean accepted + 1) tokens per target verification: what rounds could yield with no
+    time outside verification. ``ceiling_fraction`` divides the whole request's rate by it (prefill
+    included); ``decode_ceiling_fraction`` divides the rate after the first token (the rounds alone:
+    tokens after the first over the time after it), which is what the ceiling describes."""
+    s = summary
+    s["ceiling_tokens_per_s"] = s["ceiling_fraction"] = s["decode_tokens_per_s"] = s["decode_ceiling_fraction"] = None
+    if prefill_seconds is not None and s["seconds"] > prefill_seconds:
+        s["decode_tokens_per_s"] = (s["generated_tokens"] - s["prompts"]) / (s["seconds"] - prefill_seconds)
+    if s["mean_accepted"] is not None and s["verify_latency_s"]:
+        s["ceiling_tokens_per_s"] = (s["mean_accepted"] + 1) / s["verify_latency_s"]
+        s["ceiling_fraction"] = s["tokens_per_s"] / s["ceiling_tokens_per_s"]
+        if s["decode_tokens_per_s"] is not None:
+            s["decode_ceiling_fraction"] = s["decode_tokens_per_s"] / s["ceiling_tokens_per_s"]
 
 
 def by_category(runs: list[PromptRun], reference: list[PromptRun] | None) -> dict:
@@ -88,3 +101,13 @@ def by_category(runs: list[PromptRun], reference: list[PromptRun] | None) -> dic
         pick = [i for i, r in enumerate(runs) if r.category == category]
         result[category] = summarise([runs[i] for i in pick], None if reference is None else [reference[i] for i in pick])
     return result
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How often greedy outputs equal a reference's (prompt by prompt): whole outputs, and the mean fraction
+    of each reference output before the first differing token. For engines whose kernels differ (llama.cpp,
+    int8 activations) this is a rate, not a pass/fail."""
+    same = sum(out == ref for out, ref in zip(outputs, reference))
+    prefix = [next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref))) / max(len(ref), 1)
+              for out, ref in zip(outputs, reference)]
+    return {"identical_prompts": same, "prompts": len(reference), "mean_agreeing_prefix": sum(prefix) / max(len(prefix), 1)}

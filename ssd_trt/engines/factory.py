@@ -92,7 +92,7 @@ def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlace
     from ssd_trt.engines.ort import OrtEngine
     return OrtEngine(Path(root) / role / "model.ort.onnx", spec, placement.threads, placement.cores,
                      spin=placement.spin,
-                     int8_activations=manifest.recipe.engine.quantized_matmul_activations == "int8")
+                     int8_activations=getattr(manifest.recipe, role).activations == "int8")
 
 
 def _torch_engine(manifest: Manifest, role: str) -> Engine:

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ssd_trt.export.onnx_export import WEIGHT_PREFIX
 from ssd_trt.models.gguf_blocks import BLOCK, BlockWeight
 
 OPSET = 21            # DequantizeLinear's block_size and the INT4 type
@@ -33,7 +34,7 @@ def apply_block_weights(model: onnx.ModelProto, blocks: dict[str, BlockWeight]) 
                 users.setdefault(name, []).append((node, index))
     replaced, kinds, before, after = [], {}, 0, 0
     for name, nodes_using in users.items():
-        prefix = name[:-len(WEIGHT_SUFFIX)]
+        prefix = name[:-len(WEIGHT_SUFFIX)].removeprefix(WEIGHT_PREFIX)
         if prefix not in blocks:
             continue
         weight = blocks[prefix]
@@ -110,8 +111,13 @@ def _set_default_opset(model: onnx.ModelProto, version: int) -> None:
             opset.version = version
 
 
-def model_block_weights(weights: str, source, model) -> dict[str, BlockWeight] | None:
+def model_block_weights(weights: str, source, model, keep_8bit: bool = True) -> dict[str, BlockWeight] | None:
     """The block weights a recipe asks for (``ModelSpec.weights``), by Decoder module name; None for float.
+
+    ``keep_8bit=False`` leaves 8-bit blocks (a GGUF's Q8_0 LM head) as fp32 weights -- their exact
+    dequantization: ONNX Runtime's fused 8-bit MatMul with fp32 activations has no fast kernel (the
+    SmolLM2 head took 123 ms a token that way, against ~9 ms for the fp32 matrix), while with int8
+    activations it is the fastest form (3 ms).
 
     ``gguf``: the source file's own blocks (checked to dequantize to exactly the model's weights).
     ``int8`` / ``int4``: each linear layer (and an untied LM head) quantized here, block-32 symmetric; the
@@ -129,8 +135,12 @@ def model_block_weights(weights: str, source, model) -> dict[str, BlockWeight] |
         if source.kind != "gguf":
             raise RecipeError(f"weights: gguf keeps a GGUF file's own blocks, but {source.path} is not a .gguf "
                               f"file; use weights: float, int8 or int4 for this model")
-        return decoder_block_weights(source.path, model)
+        blocks = decoder_block_weights(source.path, model)
+        return {name: b for name, b in blocks.items() if keep_8bit or b.bits != 8}
     bits = 8 if weights == "int8" else 4
+    if bits == 8 and not keep_8bit:
+        raise RecipeError("weights: int8 needs activations: int8 for the same model (ONNX Runtime's 8-bit MatMul "
+                          "with fp32 activations is slower than fp32 weights); or use weights: int4")
     blocks = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module.in_features % BLOCK == 0:

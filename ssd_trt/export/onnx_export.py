@@ -53,6 +53,9 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
+WEIGHT_PREFIX = "model."    # graph initializers are named after the traced module: model.<Decoder parameter>
+
+
 class _StepGraph(torch.nn.Module):
     """The decoder with ``logit_indices`` as a positional input, in the graph's input order."""
 

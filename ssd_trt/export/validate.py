@@ -19,7 +19,6 @@ from ssd_trt.export.onnx_export import io_names
 from ssd_trt.models.decoder import Decoder
 
 ATOL, RTOL = 1e-2, 1e-3   # fp32 logits of a 30-layer model differ ~1e-4 relative by summation order
-INT8_ACTIVATIONS_ATOL = 0.5   # int8 activations in every fused MatMul: logits move by ~0.1 (measured)
 
 
 def sample_feeds(model: Decoder, batch: int, num_new: int, seed: int) -> OrderedDict:
@@ -77,11 +76,12 @@ def _torch_runner(model: Decoder, example: OrderedDict):
 
 
 def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple[int, int]],
-                             threads: int = 2, int8_activations: bool = False) -> dict:
+                             threads: int = 2) -> dict:
     """Run torch and ONNX Runtime on the same inputs; return per-output max errors and a verdict.
 
-    ``int8_activations``: ONNX Runtime's fused 4/8-bit MatMuls quantize activations to int8 (accuracy
-    level 4), a deliberate approximation of the fp32 model: checked against a wider absolute tolerance."""
+    The graph is checked with fp32 activations in ONNX Runtime's fused 4/8-bit MatMuls (accuracy level 1):
+    what is validated is the graph (its weights and ops). Int8 activations (level 4) are a runtime kernel
+    choice, an approximation whose effect is measured on real prompts (README "4-bit weights")."""
     import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator
@@ -90,7 +90,7 @@ def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple
     G_LOGGER.module_severity = G_LOGGER.ERROR
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4" if int8_activations else "1")
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     feeds = [sample_feeds(model, batch, num_new, seed) for seed, (batch, num_new) in enumerate(shapes)]
     runners = [_torch_runner(model, feeds[0]), OnnxrtRunner(lambda: session)]
@@ -109,9 +109,8 @@ def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple
             if not finite.all():
                 masked += int((~finite).sum())
                 torch_out[name], ort_out[name] = np.where(finite, expected, 0), np.where(finite, got, 0)
-    atol = INT8_ACTIVATIONS_ATOL if int8_activations else ATOL
-    verdict = Comparator.compare_accuracy(results, compare_func=_compare_func(atol))
-    return {"tool": "polygraphy", "shapes": [list(s) for s in shapes], "atol": atol, "rtol": RTOL,
+    verdict = Comparator.compare_accuracy(results, compare_func=_compare_func(ATOL))
+    return {"tool": "polygraphy", "shapes": [list(s) for s in shapes], "atol": ATOL, "rtol": RTOL,
             "max_abs_error": max_abs, "non_finite_compared_exactly": masked,
             "passed": bool(verdict) and same_infinities}
 
