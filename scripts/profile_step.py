@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,7 +73,8 @@ def decode_step_profile(build: Path, steps: int = 30) -> None:
 
 def ssd_thread_profile(build: Path) -> None:
     raw = Path(tempfile.mkdtemp()) / "ssd.raw"
-    subprocess.run(["py-spy", "record", "-r", "200", "-f", "raw", "-o", str(raw), "--", sys.executable, "-c", SSD_RUN,
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")    # pip install py-spy
+    subprocess.run([py_spy, "record", "-r", "200", "-f", "raw", "-o", str(raw), "--", sys.executable, "-c", SSD_RUN,
                     str(build)], check=True, cwd=ROOT, capture_output=True)
     samples, in_ort, where = collections.Counter(), collections.Counter(), collections.defaultdict(collections.Counter)
     for line in raw.read_text().splitlines():
