@@ -28,12 +28,12 @@ class OrtEngine:
         int8 (accuracy level 4) instead of keeping them fp32 (level 1); no effect on a float graph.
 
         Row-exact steps (with ``int8_activations``): ONNX Runtime runs a one-row step through another int8
-        kernel than a step of two or more rows, and the two disagree (logits by up to ~0.5, measured),
+        kernel than a step of two or more rows, and the two disagree (logits by up to 0.53),
         while steps of 2, 3, 4 or 9 rows give each row bit-identical logits. So a one-token step is fed
         with a second, discarded row: every step takes the multi-row kernel, and a verification of K+1
         tokens computes exactly what K+1 decode steps compute (SD/SSD token-identical to AR). The extra
-        row costs ~5% of a decode step (16.8 -> 17.5 ms, SmolLM2-135M, one core); the KV cache keeps one
-        scratch slot beyond max_context for it."""
+        row costs ~10% of a decode step (18.8 -> 20.8 ms, SmolLM2-135M, one core; both numbers from
+        scripts/measure_row_exact.py); the KV cache keeps one scratch slot beyond max_context for it."""
         import onnxruntime as ort
         self.spec = spec
         self.pad_single_rows = int8_activations
