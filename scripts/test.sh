@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs what the tests need, then runs the whole suite (CPU; GPU/TensorRT tests skip with a reason).
+# Installs what the tests need (TensorRT for RTX included), then runs the whole suite (CPU; tests that
+# need a GPU skip with the reason).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
+# TensorRT for RTX (95 MB): the tests build real plans of the embedded default with it, on this CPU
+$PY -m pip install --quiet --disable-pip-version-check -e ".[rtx]"
 exec $PY -m pytest -q "$@"

@@ -16,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from ssd_trt.errors import RecipeError, SsdTrtError
 from ssd_trt.manifest import MANIFEST_NAME, ROLES, SCHEMA_VERSION, Manifest, artifact_entry, write_manifest
 from ssd_trt.recipe import Recipe, load_recipe
@@ -25,7 +27,7 @@ TOOLS = ("torch", "onnx", "onnxruntime", "onnxscript", "polygraphy", "transforme
 
 def tool_versions() -> dict[str, str | None]:
     versions: dict[str, str | None] = {"python": platform.python_version()}
-    for tool in TOOLS + ("tensorrt",):
+    for tool in TOOLS + ("tensorrt", "tensorrt-rtx-cu13"):
         try:
             versions[tool] = metadata.version(tool)
         except metadata.PackageNotFoundError:
@@ -100,6 +102,17 @@ def stale_reason(recipe_path: Path, root: Path | None = None) -> str | None:
         fingerprint = source_fingerprint(resolve_source(getattr(recipe, role).source, bases))
         if manifest.model(role).source_sha256 != fingerprint:
             return f"the {role} model files changed since {out} was built"
+    return _missing_plans(recipe, manifest)
+
+
+def _missing_plans(recipe: Recipe, manifest) -> str | None:
+    """Why a build made without TensorRT for RTX is stale once it is installed (its plans need no GPU)."""
+    from ssd_trt.engines.editions import RTX, editions_for
+    if recipe.engine.backend == "ort" or RTX not in editions_for(recipe.engine.tensorrt) or manifest.tensorrt.plans:
+        return None
+    if RTX.installed():
+        return (f"TensorRT for RTX ({RTX.module}) is installed now and the build has no plans "
+                f"({manifest.tensorrt.status}: {manifest.tensorrt.reason})")
     return None
 
 
@@ -123,12 +136,14 @@ BUILD_STEPS = ["load target", "load draft", "tokenizer", "parity target", "parit
 def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
 
     from ssd_trt.export.block_weights import apply_block_weights, model_block_weights
+    from ssd_trt.export.native_graph import native_flavour
     from ssd_trt.export.onnx_export import save_flavours, trace_step_graph
     from ssd_trt.export.parity import transformers_parity
     from ssd_trt.export.validate import validate_with_polygraphy
     from ssd_trt.models.loading import load_decoder, load_tokenizer
     from ssd_trt.models.sources import resolve_source, source_fingerprint
     from ssd_trt.trt.build_step import maybe_build_engines
+    from ssd_trt.engines.editions import DATACENTER, RTX, editions_for
 
     recipe = load_recipe(recipe_path)
     root = root or Path.cwd()
@@ -139,6 +154,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
     started = time.time()
     models, hf_configs, tokenizers, parity, validation, artifacts = {}, {}, {}, {}, {}, []
     quantization: dict[str, dict] = {}
+    native_twins: dict[str, Any] = {}     # the rtx flavour's fp32 twin per role, for validation
 
     def step(name: str) -> None:
         bar.set_postfix_str(name)
@@ -173,9 +189,14 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         traced = trace_step_graph(models[role])
         if blocks:
             traced, quantization[role] = apply_block_weights(traced, blocks)
-        precision = recipe.engine.trt_precision
+        precision, editions = recipe.engine.trt_precision, editions_for(recipe.engine.tensorrt)
         trt_traced = None if precision == "fp32" else trace_step_graph(half_copy(models[role], precision))
-        paths = save_flavours(traced, out / role, trt_traced)
+        native = None
+        if RTX in editions:   # plain weights in the engine precision (block weights are ONNX Runtime's)
+            capacity, vocab = recipe.engine.max_context, models[role].config.vocab_size
+            native_twins[role] = native_flavour(trace_step_graph(models[role]) if blocks else traced, capacity, vocab)
+            native = native_twins[role] if trt_traced is None else native_flavour(trt_traced, capacity, vocab)
+        paths = save_flavours(traced, out / role, trt_traced, datacenter=DATACENTER in editions, native=native)
         for flavour, path in paths.items():
             artifacts.append({"role": role, "flavour": flavour, **artifact_entry(out, path)})
         bar.update()
@@ -186,9 +207,12 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         if not validation[role]["passed"]:
             raise SsdTrtError(f"{role} ONNX graph disagrees with the torch model "
                               f"(max abs error {validation[role]['max_abs_error']:.3g}); see {out}")
+        if role in native_twins:
+            validation[f"{role}_rtx"] = validate_native(models[role], native_twins.pop(role),
+                                                        out / role / "model.rtx.onnx", recipe)
         bar.update()
     step("tensorrt")
-    tensorrt = maybe_build_engines(recipe, out, models)
+    tensorrt = maybe_build_engines(recipe, out)
     artifacts += tensorrt.pop("artifacts", [])
     bar.update()
     manifest = Manifest(
@@ -200,11 +224,38 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
                 for role in ROLES},
         tokenizer={"dir": "tokenizer", "vocab_size": models["target"].config.vocab_size,
                    "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
-        artifacts=artifacts, validation=validation, tensorrt=_jsonable(tensorrt), tools=tool_versions(),
+        artifacts=artifacts, validation=validation, tensorrt=tensorrt, tools=tool_versions(),
         build_seconds=round(time.time() - started, 1))
     write_manifest(out, manifest)
     (out / BUILDING_MARKER).unlink(missing_ok=True)
     return out
+
+
+def validate_native(model, twin: onnx.ModelProto, saved: Path, recipe: Recipe) -> dict:
+    """The rtx flavour (native attention) checked in ONNX Runtime against the torch model.
+
+    Checked through its fp32 twin (the same rewrite of the fp32 trace, at the same static capacity) with the
+    ORT flavour's tolerance, and the saved graph in the engine precision must have the twin's exact node
+    sequence. The engine precision's own rounding is not what this checks: fp16 overflows on models with
+    large activations (SmolLM2's residual stream reaches 2.5e4, so x^2 in RMSNorm exceeds fp16's 6.6e4:
+    docs/tensorrt.md), which is why the embedded default's plans are bf16.
+    """
+    import tempfile
+
+    from ssd_trt.export.validate import validate_with_polygraphy
+    engine_graph = onnx.load(str(saved), load_external_data=False)
+    same_nodes = [n.op_type for n in engine_graph.graph.node] == [n.op_type for n in twin.graph.node]
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "model.rtx.fp32.onnx"
+        onnx.save_model(twin, path, save_as_external_data=True, location="weights.bin")
+        result = validate_with_polygraphy(model, path, [tuple(s) for s in recipe.validate_shapes],
+                                          capacity=recipe.engine.max_context)
+    if not (result["passed"] and same_nodes):
+        raise SsdTrtError(f"the TensorRT for RTX flavour {saved} is wrong for this model: its fp32 twin disagrees "
+                          f"with the torch model in ONNX Runtime (max abs error {result['max_abs_error']:.3g})"
+                          + ("" if same_nodes else " and the saved graph's nodes differ from the twin's")
+                          + ": see export/native_graph.py")
+    return {**result, "checked_as": "fp32 twin of the same rewrite", "same_nodes_as_twin": same_nodes}
 
 
 def half_copy(model, precision: str):
@@ -254,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                    + (" (the parity above is of the float weights, before quantization)" if built else "")) if q else ""
         print(f"  {role}: {parity}{weights}; ONNX vs torch (Polygraphy, {len(v['shapes'])} step shapes): "
               f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}")
-    print(f"  tensorrt: {manifest.tensorrt['status']}: {manifest.tensorrt['reason']}")
+    print(f"  tensorrt: {manifest.tensorrt.status}: {manifest.tensorrt.reason}")
+    for plan in manifest.tensorrt.plans:
+        print(f"    {plan.role}: {plan.path} ({plan.bytes / 2**20:.0f} MiB, {plan.edition} {plan.tensorrt_version}, "
+              f"{plan.precision}, {', '.join(plan.compute_capabilities)}, {len(plan.profiles)} profiles, "
+              f"built in {plan.build_seconds:.1f} s)")
     return 0
 
 

@@ -21,10 +21,11 @@ from ssd_trt.recipe import Recipe
 MANIFEST_NAME = "manifest.json"
 # 2: the step graph takes logit_indices (which new tokens get logits); the manifest is typed (pydantic),
 #    the recipe's path is a top-level field
-SCHEMA_VERSION = 2
+# 3: TensorRT plans typed (edition, version, compute capabilities, profiles, the recipe they were built from)
+SCHEMA_VERSION = 3
 ROLES = ("target", "draft")
 REQUIRED_FILES = ("model.ort.onnx",)                     # per role: the runtime cannot run without these
-LOADED_FILES = REQUIRED_FILES + ("weights.bin", "engine.plan")   # per role: read when present
+LOADED_FILES = REQUIRED_FILES + ("weights.bin", "engine.plan", "engine.rtx.plan")   # per role: read when present
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -49,7 +50,43 @@ class Artifact(_Strict):
     path: str
     sha256: str
     bytes: int
-    flavour: str | None = None            # ort | trt | weights | trt_weights | engine
+    flavour: str | None = None            # ort | trt | rtx | weights | trt_weights | rtx_weights | engine
+
+
+class ProfileEntry(_Strict):
+    """One optimisation profile of a plan: its step kind, (min, opt, max) batch and new tokens, input shapes."""
+    name: str
+    batch: list[int]
+    tokens: list[int]
+    shapes: dict[str, list[list[int]]]
+
+
+class PlanEntry(_Strict):
+    """A TensorRT plan as built; checked at load against the file, the recipe and the GPU (engines/plans.py)."""
+    role: Literal["target", "draft"]
+    edition: Literal["datacenter", "rtx"]
+    tensorrt_version: str
+    path: str                              # relative to the build directory
+    sha256: str
+    bytes: int
+    onnx: str                              # the step-graph flavour it was built from
+    precision: Literal["fp32", "fp16", "bf16"]
+    compute_capabilities: list[str]        # e.g. ["sm86", "sm89"]: the GPUs it has kernels for
+    profiles: list[ProfileEntry]
+    recipe_sha256: str                     # recipe_fingerprint of the recipe it was built from
+    build_seconds: float
+    decomposable_attention_layers: int = 0  # fp32 RTX: attentions split into matmul/softmax (no fp32 kernel)
+    log: str
+
+
+class TensorRTBuild(_Strict):
+    """What the build's TensorRT step did: plans built, or why not."""
+    status: Literal["built", "stopped at ONNX", "skipped"]
+    reason: str
+    plans: list[PlanEntry] = []
+
+    def plan(self, role: str, edition: str) -> PlanEntry | None:
+        return next((p for p in self.plans if p.role == role and p.edition == edition), None)
 
 
 class BuiltModel(_Strict):
@@ -71,14 +108,14 @@ class TokenizerEntry(_Strict):
 
 class Manifest(_Strict):
     """What a build produced. ``recipe`` is the validated recipe itself (one definition of the limits)."""
-    schema_version: Literal[2]
+    schema_version: Literal[3]
     recipe: Recipe
     recipe_path: str
     models: dict[Literal["target", "draft"], BuiltModel]
     tokenizer: TokenizerEntry
     artifacts: list[Artifact]
     validation: dict[str, dict[str, Any]]
-    tensorrt: dict[str, Any]
+    tensorrt: TensorRTBuild
     tools: dict[str, str | None]
     build_seconds: float
 
@@ -98,6 +135,11 @@ class Manifest(_Strict):
     @property
     def rebuild_hint(self) -> str:
         return f"rebuild with `python -m ssd_trt.build {self.recipe_path} --force`"
+
+
+def recipe_fingerprint(recipe: Recipe) -> str:
+    """sha256 of the validated recipe: what a plan records so a plan from another recipe is refused."""
+    return hashlib.sha256(recipe.model_dump_json().encode()).hexdigest()
 
 
 def write_manifest(root: Path, manifest: Manifest) -> Path:
@@ -165,12 +207,16 @@ def verify_artifacts(root: Path, manifest: Manifest, roles: tuple[str, ...]) -> 
     for entry in manifest.artifacts:
         if entry.role not in roles + ("tokenizer",):
             continue
-        path = Path(root) / entry.path
-        if not path.is_file():
-            raise ArtifactError(f"artifact {path} listed in the manifest is missing; {fix}")
-        if path.stat().st_size != entry.bytes:
-            raise ArtifactError(f"artifact {path} has {path.stat().st_size} bytes, the manifest says "
-                                f"{entry.bytes} (truncated or replaced); {fix}")
-        if sha256_file(path) != entry.sha256:
-            raise ArtifactError(f"artifact {path} does not match its sha256 in the manifest (edited, "
-                                f"corrupt or swapped); {fix}")
+        verify_file(Path(root) / entry.path, entry.bytes, entry.sha256, fix)
+
+
+def verify_file(path: Path, size: int, sha256: str, fix: str, what: str = "artifact") -> None:
+    """ArtifactError naming ``path`` and ``fix`` unless the file exists with the size and sha256 recorded."""
+    if not path.is_file():
+        raise ArtifactError(f"{what} {path} listed in the manifest is missing; {fix}")
+    if path.stat().st_size != size:
+        raise ArtifactError(f"{what} {path} has {path.stat().st_size} bytes, the manifest says {size} (truncated "
+                            f"or replaced); {fix}")
+    if sha256_file(path) != sha256:
+        raise ArtifactError(f"{what} {path} does not match its sha256 in the manifest (edited, corrupt or swapped); "
+                            f"{fix}")

@@ -47,8 +47,24 @@ class EngineRecipe(EngineLimits):
     """The engine limits (``engines/limits.py``: validated there, once) and how to build the engines."""
     model_config = ConfigDict(extra="forbid", frozen=True)
     backend: Literal["auto", "ort", "trt"] = "auto"
+    tensorrt: Literal["auto", "datacenter", "rtx"] = Field(
+        "auto", description="which TensorRT builds the plans (ssd_trt/trt/editions.py): datacenter (tensorrt, on "
+                            "the GPU it runs on, tree attention as a plugin), rtx (TensorRT for RTX, ahead of time "
+                            "without a GPU, native attention layer), auto (export both flavours; build with "
+                            "whichever can build here, data-centre first)")
+    compute_capabilities: tuple[Literal["sm75", "sm80", "sm86", "sm89", "sm120", "sm121"], ...] = Field(
+        ("sm86", "sm89", "sm120"), min_length=1,
+        description="GPUs a TensorRT for RTX plan gets kernels for (RTX 30 = sm86, 40 = sm89, 50 = sm120); "
+                    "the data-centre edition builds for the GPU it runs on")
     trt_precision: Literal["fp32", "fp16", "bf16"] = "fp16"
     threads_per_engine: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads")
+
+    @field_validator("compute_capabilities")
+    @classmethod
+    def _distinct(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"lists a compute capability twice: {list(value)}")
+        return value
 
 
 def ssd_tree_tokens(draft_len: int, fan_out_budget: int) -> int:

@@ -30,6 +30,8 @@ from ssd_trt.trt.engine_build import TensorRTUnavailable, build_engine, check_pl
     manifest_entry, profile_table
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.engines.profiles import Profile, derive_profiles, select_profile
+from ssd_trt.engines.editions import DATACENTER
+from ssd_trt.manifest import PlanEntry
 
 HAS_TRT, TRT_REASON = probe_tensorrt()
 LIMITS = EngineLimits(max_batch=4, max_context=256, max_draft_len=5, max_tree_size=24)
@@ -229,32 +231,36 @@ def test_plugin_nodes_must_be_the_tensorrt_flavour(weights):
 
 
 def test_manifest_entry_records_hash_and_profiles(layout, tmp_path):
-    engine = tmp_path / "target.plan"
+    (tmp_path / "target").mkdir()
+    engine, log = tmp_path / "target" / "engine.plan", tmp_path / "target" / "build.datacenter.log"
     engine.write_bytes(b"not a real engine, but real bytes")
-    entry = manifest_entry(engine, profile_table(layout, LIMITS), "fp16", "10.9.0", 90, 12.5,
-                           tmp_path / "timing.cache", tmp_path / "build.log")
+    log.write_text("")
+    entry = manifest_entry(DATACENTER, "target", tmp_path, engine, tmp_path / "target" / "model.trt.onnx",
+                           profile_table(layout, LIMITS), "fp16", "10.9.0", ("sm90",), 12.5, "f" * 64, log)
     assert entry["sha256"] == hashlib.sha256(engine.read_bytes()).hexdigest()
-    assert entry["bytes"] == engine.stat().st_size and entry["plugin"] == "ssd::tree_attention"
+    assert entry["bytes"] == engine.stat().st_size and entry["path"] == "target/engine.plan"
+    assert entry["edition"] == "datacenter" and entry["compute_capabilities"] == ["sm90"]
     assert [p["name"] for p in entry["profiles"]] == ["decode", "verify", "tree", "prefill"]
     assert entry["profiles"][1]["shapes"]["input_ids"] == [[1, 6], [4, 6], [4, 6]]
+    PlanEntry.model_validate(entry)      # exactly the manifest's typed record
 
 
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed here; this checks the failure without it")
 def test_build_without_tensorrt_fails_with_the_reason_after_checking_the_graph(weights, tmp_path):
-    onnx_path = tmp_path / "tiny.onnx"
-    onnx.save(tiny_step_graph(weights), onnx_path)
+    (tmp_path / "target").mkdir()
+    onnx.save(tiny_step_graph(weights), tmp_path / "target" / "model.trt.onnx")
     with pytest.raises(ValueError, match="bfloat16"):  # graph checks run first, TensorRT or not
-        build_engine(onnx_path, tmp_path / "e.plan", LIMITS, "bf16", tmp_path / "t.cache", tmp_path / "b.log")
+        build_engine(DATACENTER, "target", tmp_path, LIMITS, "bf16", (), "f" * 64)
     with pytest.raises(TensorRTUnavailable, match="tensorrt"):
-        build_engine(onnx_path, tmp_path / "e.plan", LIMITS, "fp16", tmp_path / "t.cache", tmp_path / "b.log")
-    assert not (tmp_path / "e.plan").exists()
+        build_engine(DATACENTER, "target", tmp_path, LIMITS, "fp16", (), "f" * 64)
+    assert not (tmp_path / "target" / "engine.plan").exists()
 
 
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed here; this checks the failure without it")
 def test_runtime_without_tensorrt_fails_with_the_reason(tmp_path):
     ok, reason = probe_tensorrt()
     assert not ok and reason
-    with pytest.raises(RuntimeError, match="needs TensorRT"):
+    with pytest.raises(RuntimeError, match="needs its TensorRT and a CUDA GPU"):
         TensorRTEngine(tmp_path / "missing.plan")
 
 
@@ -393,13 +399,13 @@ class TorchTinyModel:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRT, reason=f"needs TensorRT >= 10.9 and a GPU: {TRT_REASON}")
 def test_tiny_engine_builds_and_matches_torch_through_the_runtime(weights, tmp_path):
-    onnx_path = tmp_path / "tiny.onnx"
-    onnx.save(tiny_step_graph(weights), onnx_path)
-    entry = build_engine(onnx_path, tmp_path / "tiny.plan", LIMITS, "fp16", tmp_path / "timing.cache",
-                         tmp_path / "build.log")
-    assert entry["sha256"] == hashlib.sha256((tmp_path / "tiny.plan").read_bytes()).hexdigest()
-    assert (tmp_path / "timing.cache").stat().st_size > 0 and Path(entry["log"]).exists()
-    engine = TensorRTEngine(tmp_path / "tiny.plan")
+    (tmp_path / "target").mkdir()
+    onnx.save(tiny_step_graph(weights), tmp_path / "target" / "model.trt.onnx")
+    entry = build_engine(DATACENTER, "target", tmp_path, LIMITS, "fp16", (), "f" * 64)
+    plan = tmp_path / entry["path"]
+    assert entry["sha256"] == hashlib.sha256(plan.read_bytes()).hexdigest()
+    assert (tmp_path / "timing.cache").stat().st_size > 0 and (tmp_path / entry["log"]).exists()
+    engine = TensorRTEngine(plan)
     model = TorchTinyModel(weights, batch=2, capacity=LIMITS.max_context)
     engine.reset(2)
     rng = np.random.default_rng(0)

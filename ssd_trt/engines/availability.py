@@ -94,3 +94,58 @@ def probe_cuda() -> tuple[bool, str]:
         build = torch.version.cuda or "a CPU-only build"
         return False, f"no CUDA device visible to torch {torch.__version__} ({build})"
     return True, torch.cuda.get_device_name(0)
+
+
+_PROBE_RTX = r"""
+import json, sys
+
+def answer(**fields):
+    print(json.dumps(fields))
+    sys.exit(0)
+
+try:
+    import tensorrt_rtx as trt
+except Exception as error:
+    answer(build=False, run=False, capabilities=[], version=None,
+           reason=f"TensorRT for RTX is not importable ({type(error).__name__}: {error})")
+version = getattr(trt, "__version__", "?")
+builder = trt.Builder(trt.Logger(trt.Logger.ERROR))
+if builder is None:
+    answer(build=False, run=False, capabilities=[], version=version,
+           reason=f"TensorRT for RTX {version} could not create a Builder")
+capabilities = []
+try:
+    from cuda.bindings import runtime as cudart
+    status, count = cudart.cudaGetDeviceCount()
+    for device in range(count if int(status) == 0 else 0):
+        _, prop = cudart.cudaGetDeviceProperties(device)
+        capabilities.append(f"sm{prop.major}{prop.minor}")
+except Exception:
+    try:
+        import torch
+        capabilities = [f"sm{a}{b}" for a, b in (torch.cuda.get_device_capability(i)
+                                                 for i in range(torch.cuda.device_count()))]
+    except Exception:
+        capabilities = []
+answer(build=True, run=bool(capabilities), capabilities=capabilities, version=version,
+       reason=(f"TensorRT for RTX {version}, GPUs: {', '.join(capabilities)}" if capabilities
+               else f"TensorRT for RTX {version} builds here; no CUDA device to run its plans"))
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def probe_tensorrt_rtx(timeout: float = 120.0) -> dict:
+    """What TensorRT for RTX can do here, asked in a subprocess: ``build`` (no GPU needed), ``run`` (a CUDA
+    device), ``capabilities`` (each device's, e.g. "sm89"), ``version`` and a ``reason`` to show."""
+    failed = {"build": False, "run": False, "capabilities": [], "version": None}
+    try:
+        result = subprocess.run([sys.executable, "-c", _PROBE_RTX], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**failed, "reason": f"the TensorRT for RTX probe did not finish within {timeout:.0f} s"}
+    for line in reversed(result.stdout.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {**failed, "reason": f"the TensorRT for RTX probe failed (exit code {result.returncode}): {tail[0]}"}

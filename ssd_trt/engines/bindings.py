@@ -177,10 +177,8 @@ class BindingLayout:
         return cls.from_io(tensors)
 
     @classmethod
-    def from_trt_engine(cls, engine) -> "BindingLayout":
-        """Layout of a deserialised ``tensorrt.ICudaEngine`` (dynamic dims appear as -1 there)."""
-        import tensorrt as trt
-
+    def from_trt_engine(cls, engine, trt) -> "BindingLayout":
+        """Layout of a deserialised ``ICudaEngine`` of either edition (``trt``: its module; dynamic dims are -1)."""
         tensors = []
         for index in range(engine.num_io_tensors):
             name = engine.get_tensor_name(index)

@@ -1,6 +1,7 @@
 """Opening engines: one factory turns (build, role, placement) into an :class:`~ssd_trt.engines.base.Engine`.
 
-Backends: ``ort`` (ONNX Runtime, CPU: the embedded default), ``trt`` (the build's TensorRT plans, on a GPU)
+Backends: ``ort`` (ONNX Runtime, CPU: the embedded default), ``trt`` (the build's TensorRT plans, on a GPU:
+data-centre TensorRT or TensorRT for RTX, whichever plan can run here, checked by ``plans.check_plan``)
 and ``torch`` (the torch decoder with the Triton tree-attention kernel and CUDA graphs, on a GPU without
 TensorRT; weights reloaded from the sources the manifest records and checked against their sha256).
 The draft is wrapped in its copy component when its config carries one (``copy_mixture.py``).
@@ -40,32 +41,69 @@ class EngineSet:
         self.wanted = backend or manifest.recipe.engine.backend
         self.copy_mixture = copy_mixture_of(manifest, root) if draft_copy else None
         self.opened: dict[str, Engine] = {}
-        self._tensorrt: tuple[bool, str] | None = None
+        self.editions: dict[str, tuple[str | None, str]] = {}     # role -> (TensorRT edition to run, why not)
+        self._probes: dict[str, tuple[bool, str, str | None]] = {}
 
     def get(self, role: str) -> Engine:
         if role not in self.opened:
-            engine = open_engine(self.root, self.manifest, role, self.placements[role], self.backend(role))
+            backend = self.backend(role)
+            engine = open_engine(self.root, self.manifest, role, self.placements[role], backend,
+                                 self.editions.get(role, (None, ""))[0])
             if role == "draft" and self.copy_mixture is not None:
                 engine = CopyMixtureEngine(engine, self.copy_mixture)
             self.opened[role] = engine
         return self.opened[role]
 
     def backend(self, role: str) -> str:
-        """``torch`` or ``ort`` when asked; else ``trt`` when the recipe allows it, an engine.plan exists and
-        TensorRT + a GPU are usable (probed once, in a subprocess); else ``ort``."""
+        """``torch`` or ``ort`` when asked; else ``trt`` when the recipe allows it and one of the role's plans can
+        run here (its edition's TensorRT and a GPU it has kernels for, probed once in a subprocess, and the
+        plan passes ``plans.check_plan``); else ``ort``."""
         if self.wanted in ("torch", "ort"):
             return self.wanted
-        if not (self.root / role / "engine.plan").is_file():
+        if role not in self.editions:
+            self.editions[role] = self._runnable_plan(role)
+        if self.editions[role][0] is None:
             if self.wanted == "trt":
-                raise ArtifactError(f"{self.root / role} has no TensorRT engine (engine.plan); build on a GPU "
-                                    f"host with TensorRT, or set engine.backend to 'auto' or 'ort'")
+                raise ArtifactError(f"recipe asks for TensorRT but no {role} plan can run here: {self.editions[role][1]}")
             return "ort"
-        if self._tensorrt is None:
-            from ssd_trt.engines.availability import probe_tensorrt
-            self._tensorrt = probe_tensorrt()
-        if not self._tensorrt[0] and self.wanted == "trt":
-            raise ArtifactError(f"recipe asks for TensorRT but it cannot run here: {self._tensorrt[1]}")
-        return "trt" if self._tensorrt[0] else "ort"
+        return "trt"
+
+    def _runnable_plan(self, role: str) -> tuple[str | None, str]:
+        """(edition, "") of the first of the role's plans that can run here, else (None, why not)."""
+        from ssd_trt.engines.plans import check_plan
+        built = self.manifest.tensorrt
+        reasons = []
+        for plan in (p for p in built.plans if p.role == role):
+            usable, reason, capability = self._runtime(plan.edition)
+            if not usable:
+                reasons.append(f"{plan.edition}: {reason}")
+                continue
+            try:
+                check_plan(self.root, self.manifest, role, plan.edition, capability)
+            except ArtifactError as error:
+                if self.wanted == "trt":
+                    raise
+                reasons.append(str(error))
+                continue
+            return plan.edition, ""
+        return None, "; ".join(reasons) or f"the build has no TensorRT plans ({built.status}: {built.reason})"
+
+    def _runtime(self, edition: str) -> tuple[bool, str, str | None]:
+        """(usable, reason, the GPU's compute capability) for running ``edition``'s plans, probed once."""
+        if edition not in self._probes:
+            from ssd_trt.engines.availability import probe_tensorrt, probe_tensorrt_rtx
+            if edition == "rtx":
+                probe = probe_tensorrt_rtx()
+                capability = probe["capabilities"][0] if probe["capabilities"] else None
+                self._probes[edition] = (probe["run"], probe["reason"], capability)
+            else:
+                usable, reason = probe_tensorrt()
+                capability = None
+                if usable:
+                    import torch
+                    capability = "sm{}{}".format(*torch.cuda.get_device_capability(0))
+                self._probes[edition] = (usable, reason, capability)
+        return self._probes[edition]
 
     def free_slots(self) -> None:
         """Give back every engine's KV slots (lengths -> 0); buffers stay allocated for the next request."""
@@ -81,14 +119,20 @@ class EngineSet:
         self.opened.pop(role, None)
 
 
-def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str) -> Engine:
-    """The role's engine on ``backend`` (ort | trt | torch), placed as asked."""
+def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
+                edition: str | None = None) -> Engine:
+    """The role's engine on ``backend`` (ort | trt | torch), placed as asked; ``edition``: which TensorRT plan."""
     spec = engine_spec(manifest, role)
     if backend == "torch":
         return _torch_engine(manifest, role)
     if backend == "trt":
         from ssd_trt.engines.tensorrt import TensorRTEngine
-        return TensorRTEngine(Path(root) / role / "engine.plan", spec, name=role, placement=_gpu_placement(role))
+        plan = manifest.tensorrt.plan(role, edition or "datacenter")
+        if plan is None:
+            raise ArtifactError(f"the build in {root} has no {edition or 'datacenter'} TensorRT plan for the {role}; "
+                                f"{manifest.rebuild_hint}")
+        return TensorRTEngine(Path(root) / plan.path, spec, name=role, placement=_gpu_placement(role),
+                              edition=plan.edition)
     from ssd_trt.engines.ort import OrtEngine
     return OrtEngine(Path(root) / role / "model.ort.onnx", spec, placement.threads, placement.cores,
                      spin=placement.spin,

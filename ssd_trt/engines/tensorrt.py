@@ -5,7 +5,8 @@ The caches, CUDA-graph buckets, streams and timing are :class:`~ssd_trt.engines.
 What is TensorRT's own:
 
 * **Bindings** by tensor name; ``past_*_i`` and ``present_*_i`` are bound to the same cache buffer
-  (the plugin updates it in place, see ``plugins/tree_attention/trt_plugin.py``).
+  (updated in place: by the plugin in a data-centre plan, ``plugins/tree_attention/trt_plugin.py``; by the
+  native KV-cache update layer in a TensorRT for RTX plan, ``export/native_graph.py``).
 * **Execution contexts**: one per optimisation profile (decode, verify, tree, prefill), all
   sharing one user-managed device-memory block: they run one at a time on this engine's stream.
 
@@ -21,7 +22,8 @@ import torch
 from ssd_trt.engines.base import EngineSpec, past_names, present_names
 from ssd_trt.engines.device_step import DeviceStepEngine, Placement, StepBuffers, causal_mask, \
     place_draft_and_target
-from ssd_trt.engines.availability import probe_tensorrt
+from ssd_trt.engines.availability import probe_tensorrt, probe_tensorrt_rtx
+from ssd_trt.engines.editions import EDITIONS
 from ssd_trt.engines.bindings import BindingLayout
 from ssd_trt.engines.profiles import Profile
 
@@ -46,13 +48,18 @@ class TensorRTEngine(DeviceStepEngine):
     """One model's TensorRT engine; caches and CUDA graphs as in :class:`DeviceStepEngine`."""
 
     def __init__(self, engine_path: Path | str, spec: EngineSpec | None = None, *, name: str | None = None,
-                 placement: Placement = Placement(), use_cuda_graphs: bool = True) -> None:
-        """Load ``engine_path`` onto ``placement``. ``spec`` (e.g. from the manifest) is checked against the
-        engine; without it the spec is read from the engine's bindings and profiles."""
-        available, reason = probe_tensorrt()
+                 placement: Placement = Placement(), use_cuda_graphs: bool = True, edition: str = "datacenter") -> None:
+        """Load ``engine_path`` onto ``placement`` with ``edition``'s TensorRT (``trt/editions.py``). ``spec``
+        (e.g. from the manifest) is checked against the engine; without it the spec is read from the engine's
+        bindings and profiles. Callers check the plan first (``plans.check_plan``)."""
+        if edition == "rtx":
+            probe = probe_tensorrt_rtx()
+            available, reason = probe["run"], probe["reason"]
+        else:
+            available, reason = probe_tensorrt()
         if not available:
-            raise RuntimeError(f"TensorRTEngine needs TensorRT >= 10.9 and a CUDA GPU: {reason}")
-        import tensorrt as trt
+            raise RuntimeError(f"TensorRTEngine ({edition}) needs its TensorRT and a CUDA GPU: {reason}")
+        trt = EDITIONS[edition].import_module()
 
         self._trt = trt
         device = torch.device("cuda", placement.device)
@@ -64,7 +71,7 @@ class TensorRTEngine(DeviceStepEngine):
             if self._engine is None:
                 raise RuntimeError(f"TensorRT could not deserialise {engine_path} (built for another GPU or "
                                    "TensorRT version?)")
-            self.layout = BindingLayout.from_trt_engine(self._engine)
+            self.layout = BindingLayout.from_trt_engine(self._engine, trt)
             profiles = self._read_profiles()
             capacity = self.layout.static_capacity() or self._engine.get_tensor_profile_shape(
                 past_names(0)[0], 0)[2][2]

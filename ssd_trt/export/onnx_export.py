@@ -2,9 +2,11 @@
 
 Flavours of the same traced graph:
   * ``ort``: the op's standard-op decomposition attached as a model-local function (ORT inlines it);
-  * ``trt``: the bare node, tagged ``plugin_namespace``/``plugin_version`` so TensorRT's ONNX parser
-    imports it as the ``ssd::tree_attention`` plugin; no function attached.
-Both flavours reference one external weight file, written once.
+  * ``trt``: the bare node, tagged ``plugin_namespace``/``plugin_version`` so data-centre TensorRT's ONNX
+    parser imports it as the ``ssd::tree_attention`` plugin; no function attached;
+  * ``rtx``: the node rewritten onto ONNX ops TensorRT maps to its native attention, KV-cache update and
+    rotary layers (``native_graph.py``; TensorRT for RTX takes no plugins).
+Flavours of one trace reference one external weight file, written once.
 """
 from __future__ import annotations
 
@@ -152,16 +154,26 @@ def _externalise(traced: onnx.ModelProto, out_dir: Path, weights_file: str) -> o
     return shared
 
 
-def save_flavours(traced: onnx.ModelProto, out_dir: Path, trt_traced: onnx.ModelProto | None = None
-                  ) -> dict[str, Path]:
-    """Write model.ort.onnx (fp32) and model.trt.onnx. With one trace both share ``weights.bin``;
-    ``trt_traced`` (the model traced in the recipe's TensorRT precision) gets ``weights.trt.bin``."""
+def save_flavours(traced: onnx.ModelProto, out_dir: Path, trt_traced: onnx.ModelProto | None = None,
+                  datacenter: bool = True, native: onnx.ModelProto | None = None) -> dict[str, Path]:
+    """Write model.ort.onnx (fp32) and the TensorRT flavours the recipe's editions build from.
+
+    ``model.trt.onnx`` (data-centre, plugin node) when ``datacenter``: with one trace it shares
+    ``weights.bin``; ``trt_traced`` (the model traced in the recipe's TensorRT precision) gets
+    ``weights.trt.bin``. ``model.rtx.onnx`` (TensorRT for RTX, native attention) when ``native`` (the graph
+    from ``export/native_graph.py``) is given, with ``weights.rtx.bin``.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     shared = _externalise(traced, out_dir, "weights.bin")
-    paths = {"ort": out_dir / "model.ort.onnx", "trt": out_dir / "model.trt.onnx", "weights": out_dir / "weights.bin"}
+    paths = {"ort": out_dir / "model.ort.onnx", "weights": out_dir / "weights.bin"}
     onnx.save_model(ort_flavour(shared), paths["ort"])
-    if trt_traced is not None:
-        shared = _externalise(trt_traced, out_dir, "weights.trt.bin")
-        paths["trt_weights"] = out_dir / "weights.trt.bin"
-    onnx.save_model(trt_flavour(shared), paths["trt"])
+    if datacenter:
+        if trt_traced is not None:
+            shared = _externalise(trt_traced, out_dir, "weights.trt.bin")
+            paths["trt_weights"] = out_dir / "weights.trt.bin"
+        paths["trt"] = out_dir / "model.trt.onnx"
+        onnx.save_model(trt_flavour(shared), paths["trt"])
+    if native is not None:
+        paths["rtx"], paths["rtx_weights"] = out_dir / "model.rtx.onnx", out_dir / "weights.rtx.bin"
+        onnx.save_model(_externalise(native, out_dir, "weights.rtx.bin"), paths["rtx"])
     return paths

@@ -21,10 +21,12 @@ from ssd_trt.models.decoder import Decoder
 ATOL, RTOL = 1e-2, 1e-3   # fp32 logits of a 30-layer model differ ~1e-4 relative by summation order
 
 
-def sample_feeds(model: Decoder, batch: int, num_new: int, seed: int) -> OrderedDict:
+def sample_feeds(model: Decoder, batch: int, num_new: int, seed: int, capacity: int | None = None,
+                 cache_dtype=np.float32) -> OrderedDict:
+    """One step's inputs; ``capacity`` fixes the caches' length (a graph with a static capacity)."""
     rng = np.random.default_rng(seed)
     c = model.config
-    capacity = 16 + num_new
+    capacity = capacity or 16 + num_new
     lengths = rng.integers(0, capacity - num_new + 1, size=batch).astype(np.int32)
     mask = np.tril(rng.random((batch, num_new, num_new)) < 0.6) | np.eye(num_new, dtype=bool)
     # logits for a random, ragged choice of the new tokens (every token when there is only one)
@@ -34,7 +36,7 @@ def sample_feeds(model: Decoder, batch: int, num_new: int, seed: int) -> Ordered
                         tree_mask=pack_tree_mask(mask), cache_lengths=lengths, logit_indices=picked.astype(np.int64))
     names = io_names(c.num_layers)[0][len(GRAPH_INPUTS):]
     for name in names:
-        feeds[name] = rng.standard_normal((batch, c.num_kv_heads, capacity, c.head_dim)).astype(np.float32)
+        feeds[name] = rng.standard_normal((batch, c.num_kv_heads, capacity, c.head_dim)).astype(cache_dtype)
     return feeds
 
 
@@ -66,6 +68,8 @@ def _torch_runner(model: Decoder, example: OrderedDict):
             with torch.no_grad():
                 tensors = {n: torch.from_numpy(np.ascontiguousarray(feed_dict[n]))
                            for n in io_names(model.config.num_layers)[0]}
+                # half-precision caches (a TensorRT-flavour graph) reach the fp32 model as the same values
+                tensors = {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}
                 caches = [tensors[n] for n in io_names(model.config.num_layers)[0][len(GRAPH_INPUTS):]]
                 outputs = model(tensors["input_ids"], tensors["position_ids"], tensors["tree_mask"],
                                 tensors["cache_lengths"], *caches, logit_indices=tensors["logit_indices"])
@@ -76,7 +80,8 @@ def _torch_runner(model: Decoder, example: OrderedDict):
 
 
 def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple[int, int]],
-                             threads: int = 2) -> dict:
+                             threads: int = 2, capacity: int | None = None, cache_dtype=np.float32,
+                             atol: float = ATOL) -> dict:
     """Run torch and ONNX Runtime on the same inputs; return per-output max errors and a verdict.
 
     The graph is checked with fp32 activations in ONNX Runtime's fused 4/8-bit MatMuls (accuracy level 1):
@@ -90,28 +95,34 @@ def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple
     G_LOGGER.module_severity = G_LOGGER.ERROR
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    options.log_severity_level = 3     # errors only: TensorScatter notes each copy of a cache it cannot alias on CPU
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    feeds = [sample_feeds(model, batch, num_new, seed) for seed, (batch, num_new) in enumerate(shapes)]
+    feeds = [sample_feeds(model, batch, num_new, seed, capacity, cache_dtype)
+             for seed, (batch, num_new) in enumerate(shapes)]
     runners = [_torch_runner(model, feeds[0]), OnnxrtRunner(lambda: session)]
     results = Comparator.run(runners, data_loader=feeds)
     (_, torch_runs), (_, ort_runs) = results[0], results[1]
-    max_abs, same_infinities, masked = 0.0, True, 0
+    max_abs, worst_scaled, same_infinities, masked = 0.0, 0.0, True, 0
     for torch_out, ort_out in zip(torch_runs, ort_runs):
         for name in list(torch_out.keys()):
-            expected, got = torch_out[name], ort_out[name]
+            expected, got = torch_out[name], ort_out[name].astype(np.float32)
+            ort_out[name] = got
             # A reduced draft head gives -inf logits (q = 0) off its token subset. Those must match exactly
             # (checked here); Polygraphy then compares the finite values only (inf - inf would be NaN).
             finite = np.isfinite(expected)
             same_infinities &= bool(np.array_equal(expected[~finite], got[~finite]))
             if finite.any():
-                max_abs = max(max_abs, float(np.abs(expected[finite] - got[finite]).max()))
+                error = float(np.abs(expected[finite] - got[finite]).max())
+                max_abs = max(max_abs, error)
+                # the error relative to the output's own scale (for half-precision graphs)
+                worst_scaled = max(worst_scaled, error / max(float(np.abs(expected[finite]).max()), 1e-30))
             if not finite.all():
                 masked += int((~finite).sum())
                 torch_out[name], ort_out[name] = np.where(finite, expected, 0), np.where(finite, got, 0)
-    verdict = Comparator.compare_accuracy(results, compare_func=_compare_func(ATOL))
-    return {"tool": "polygraphy", "shapes": [list(s) for s in shapes], "atol": ATOL, "rtol": RTOL,
-            "max_abs_error": max_abs, "non_finite_compared_exactly": masked,
+    verdict = Comparator.compare_accuracy(results, compare_func=_compare_func(atol))
+    return {"tool": "polygraphy", "shapes": [list(s) for s in shapes], "atol": atol, "rtol": RTOL,
+            "max_abs_error": max_abs, "max_scaled_error": worst_scaled, "non_finite_compared_exactly": masked,
             "passed": bool(verdict) and same_infinities}
 
 

@@ -137,6 +137,14 @@ class Decoder(nn.Module):
             self.lm_head_token_ids = None
         self.register_buffer("inv_freq", rope_inverse_frequencies(c), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's (``.to``, ``.half``, ``.cuda``), but the rotary frequencies stay fp32: a half-precision
+        theta^(-2i/D) is off by up to 5e-4 relative, i.e. by whole radians of rotary angle at positions in the
+        thousands (a 2048-token fp16 model's keys were wrong by 0.4 before this)."""
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inverse_frequencies(self.config).to(self.inv_freq.device)
+        return self
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = hidden @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(hidden)
         if self.lm_head_token_ids is None:

@@ -1,39 +1,57 @@
-"""The build's TensorRT step: engines when TensorRT and a GPU are present, a clear reason otherwise.
+"""The build's TensorRT step: plans from the edition the recipe names that can build here, or why not.
 
-TensorRT is never imported here; ``ssd_trt.trt`` probes for it in a subprocess (constructing
-TensorRT objects without a GPU segfaults the process).
+TensorRT is never imported here: each edition is probed in a subprocess (``engines/availability.py``;
+constructing data-centre TensorRT objects without a GPU kills the process). TensorRT for RTX builds
+without a GPU, for the recipe's compute capabilities; the data-centre edition builds on its GPU.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ssd_trt.manifest import artifact_entry
+from ssd_trt.errors import SsdTrtError
+from ssd_trt.manifest import ROLES, recipe_fingerprint
 from ssd_trt.recipe import Recipe
+from ssd_trt.engines.editions import RTX, Edition, editions_for
 
 
-def maybe_build_engines(recipe: Recipe, out: Path, models: dict[str, Any]) -> dict[str, Any]:
+def can_build(edition: Edition) -> tuple[bool, str]:
+    """(True, what) when ``edition`` can build plans here, else (False, why and how to fix it)."""
+    from ssd_trt.engines.availability import probe_tensorrt, probe_tensorrt_rtx
+    if not edition.installed():
+        return False, f"{edition.module} is not installed ({edition.install_hint})"
+    if edition is RTX:
+        probe = probe_tensorrt_rtx()
+        return probe["build"], probe["reason"]
+    return probe_tensorrt()
+
+
+def maybe_build_engines(recipe: Recipe, out: Path) -> dict[str, Any]:
+    """Build both models' plans with the first edition of ``engine.tensorrt`` that can build here."""
     if recipe.engine.backend == "ort":
-        return {"status": "skipped", "reason": "recipe asks for backend 'ort' (ONNX Runtime only)"}
-    try:
-        from ssd_trt.engines.availability import probe_tensorrt
-        from ssd_trt.trt.engine_build import build_engine
-    except ImportError as exc:  # the TensorRT path is optional
-        return {"status": "stopped at ONNX", "reason": f"TensorRT path not installed ({exc})"}
-    available, reason = probe_tensorrt()
-    if not available:
+        return {"status": "skipped", "reason": "recipe asks for backend 'ort' (ONNX Runtime only)", "plans": []}
+    reasons = []
+    for edition in editions_for(recipe.engine.tensorrt):
+        able, reason = can_build(edition)
+        if able:
+            break
+        reasons.append(f"{edition.name}: {reason}")
+    else:
+        why = "; ".join(reasons)
         if recipe.engine.backend == "trt":
-            from ssd_trt.errors import SsdTrtError
-            raise SsdTrtError(f"recipe asks for backend 'trt' but TensorRT cannot run here: {reason}. "
+            raise SsdTrtError(f"recipe asks for backend 'trt' but no TensorRT edition can build here ({why}). "
                               f"ONNX artifacts are in {out}; set engine.backend to 'auto' or 'ort' to use them")
-        return {"status": "stopped at ONNX", "reason": reason}
+        return {"status": "stopped at ONNX", "reason": why, "plans": []}
+    from ssd_trt.trt.engine_build import build_engine
     e = recipe.engine
-    limits = e.limits
-    artifacts, engines = [], {}
-    for role in ("target", "draft"):
-        engine_path = out / role / "engine.plan"
-        engines[role] = build_engine(out / role / "model.trt.onnx", engine_path, limits, e.trt_precision,
-                                     out / "timing.cache", out / role / "build.log")
-        artifacts.append({"role": role, "flavour": "engine", **artifact_entry(out, engine_path)})
-    return {"status": "built", "reason": "TensorRT and a GPU were found", "engines": engines,
-            "artifacts": artifacts}
+    plans, artifacts = [], []
+    for role in ROLES:
+        try:
+            plan = build_engine(edition, role, out, e.limits, e.trt_precision, tuple(e.compute_capabilities),
+                                recipe_fingerprint(recipe))
+        except (ValueError, RuntimeError) as error:
+            raise SsdTrtError(f"building the {role}'s {edition.name} TensorRT plan failed: {error}") from None
+        plans.append(plan)
+        artifacts.append({"role": role, "flavour": "engine", "path": plan["path"], "sha256": plan["sha256"],
+                          "bytes": plan["bytes"]})
+    return {"status": "built", "reason": f"{edition.name}: {reason}", "plans": plans, "artifacts": artifacts}

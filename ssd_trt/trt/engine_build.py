@@ -1,20 +1,21 @@
-"""Build a TensorRT engine from the TensorRT flavour of a step-graph ONNX (GPU host with TensorRT).
+"""Build a TensorRT plan from a step-graph ONNX, with either edition (``editions.py``).
 
-Steps: check the ONNX on CPU (binding layout, plugin nodes, precision), register the tree-attention
-plugin for the build GPU's SM, parse, add one optimisation profile per step kind (``profiles.py``),
-turn on plugin I/O aliasing (in-place caches), build with a persistent timing cache, write the
-engine and return its manifest entry. Everything before ``import tensorrt`` is plain Python and is
-exercised by the CPU tests; :func:`build_engine` raises :class:`TensorRTUnavailable` with the probe's
-reason when TensorRT or a GPU is missing.
+Steps: check the ONNX on CPU (binding layout, the flavour the edition needs, precision, that the
+optimisation profiles cover every step shape the runtime issues), then with TensorRT: (data-centre:
+register the tree-attention plugin for the build GPU's SM) parse, (RTX fp32: mark attention
+decomposable), one optimisation profile per step kind (``profiles.py``), the edition's settings (RTX:
+the recipe's compute capabilities; data-centre: in-place plugin I/O and a persistent timing cache),
+build, write the plan and return its manifest entry (``manifest.PlanEntry``). Everything before the
+TensorRT import is plain Python exercised by the CPU tests; :func:`build_engine` raises
+:class:`TensorRTUnavailable` with the probe's reason when the edition cannot build here (data-centre:
+TensorRT or a GPU missing; RTX: ``tensorrt_rtx`` not installed).
 
-Precision. TensorRT >= 11 builds strongly typed networks only (10.x deprecates the weak FP16/BF16
-builder flags), so the engine computes in the types the graph declares: the TensorRT-flavour ONNX
-must be exported in the recipe's precision (fp16 / bf16 weights and caches). ``check_precision``
-refuses a mismatch instead of silently building an fp32 engine.
+Precision. Both editions build strongly typed networks, so the plan computes in the types the graph
+declares: the TensorRT flavours are exported in the recipe's precision (fp16 / bf16 weights and caches).
+``check_precision`` refuses a mismatch instead of silently building an fp32 engine.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from ssd_trt.manifest import sha256_file
 from ssd_trt.engines.availability import probe_tensorrt
 from ssd_trt.engines.bindings import BindingLayout
 from ssd_trt.engines.limits import EngineLimits
-from ssd_trt.engines.profiles import Profile, derive_profiles
+from ssd_trt.engines.profiles import Profile, derive_profiles, select_profile
+from ssd_trt.engines.editions import DATACENTER, RTX, Edition, configure, network_flags, prepare_network
 
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -60,95 +62,157 @@ def check_plugin_nodes(model: onnx.ModelProto) -> list[float]:
     return [validate_onnx_node(node) for node in nodes]
 
 
-def profile_table(layout: BindingLayout, limits: EngineLimits,
+def check_native_nodes(model: onnx.ModelProto) -> int:
+    """Check the graph is the ``rtx`` flavour (native attention, no plugin node); return its attention count."""
+    if any(node.op_type in (PLUGIN_NAME, "tree_attention_masked") for node in model.graph.node):
+        raise ValueError(f"the graph has {PLUGIN_NAME} nodes (the data-centre plugin or ONNX Runtime flavour); "
+                         "TensorRT for RTX takes no plugins: build from the rtx flavour, model.rtx.onnx "
+                         "(export/native_graph.py)")
+    count = sum(node.op_type == "Attention" for node in model.graph.node)
+    if count == 0:
+        raise ValueError("the graph has no ONNX Attention node: is it the rtx flavour of a step graph?")
+    return count
+
+
+def check_graph(edition: Edition, model: onnx.ModelProto) -> None:
+    """The flavour each edition builds from: the plugin node (data-centre) or native attention (RTX)."""
+    if edition is DATACENTER:
+        check_plugin_nodes(model)
+    else:
+        check_native_nodes(model)
+
+
+def runtime_step_shapes(limits: EngineLimits) -> list[tuple[str, int, int]]:
+    """(kind, batch, new tokens) of every step shape the runtime can issue, at the batch extremes."""
+    shapes = []
+    for batch in sorted({1, limits.max_batch}):
+        shapes += [("decode", batch, 1)]
+        shapes += [("verify", batch, k + 1) for k in range(1, limits.max_draft_len + 1)]
+        shapes += [("tree", batch, n) for n in range(2, limits.max_tree_size + 1)]
+        shapes += [("prefill", batch, t) for t in (1, limits.max_context)]
+    return shapes
+
+
+def check_coverage(profiles: tuple[Profile, ...], limits: EngineLimits) -> None:
+    """ValueError naming the first runtime step shape no optimisation profile accepts."""
+    for kind, batch, tokens in runtime_step_shapes(limits):
+        try:
+            select_profile(profiles, batch, tokens)
+        except ValueError:
+            ranges = ", ".join(f"{p.name} batch {p.batch[0]}-{p.batch[2]} x T {p.tokens[0]}-{p.tokens[2]}"
+                               for p in profiles)
+            raise ValueError(f"the optimisation profiles ({ranges}) do not cover a {kind} step of batch {batch} x "
+                             f"{tokens} new tokens, which the runtime issues under engine limits {limits}: the "
+                             "plan could not run it; derive the profiles from the recipe's limits "
+                             "(engines/profiles.py)") from None
+
+
+def profile_table(layout: BindingLayout, limits: EngineLimits, profiles: tuple[Profile, ...] | None = None,
                   ) -> list[tuple[Profile, dict[str, tuple[tuple[int, ...], ...]]]]:
-    """Each optimisation profile with the (min, opt, max) shape of every graph input."""
-    return [(profile, layout.input_ranges(profile, limits)) for profile in derive_profiles(limits)]
+    """Each optimisation profile (derived from the limits unless given) with the (min, opt, max) shape of
+    every graph input."""
+    profiles = derive_profiles(limits) if profiles is None else profiles
+    check_coverage(profiles, limits)
+    return [(profile, layout.input_ranges(profile, limits)) for profile in profiles]
 
 
 
-def manifest_entry(out_path: Path, table, precision: str, trt_version: str, sm: int, seconds: float,
-                   timing_cache: Path, log_path: Path) -> dict:
-    """The manifest record of a built engine."""
+def manifest_entry(edition: Edition, role: str, root: Path, out_path: Path, onnx_path: Path, table,
+                   precision: str, trt_version: str, capabilities: tuple[str, ...], seconds: float,
+                   recipe_sha256: str, log_path: Path, decomposable: int = 0) -> dict:
+    """The manifest record of a built plan (``manifest.PlanEntry``)."""
     return {
-        "path": str(out_path), "sha256": sha256_file(out_path), "bytes": out_path.stat().st_size,
-        "precision": precision, "tensorrt_version": trt_version, "sm": sm, "plugin": PLUGIN_ID,
-        "build_seconds": round(seconds, 3), "timing_cache": str(timing_cache), "log": str(log_path),
+        "role": role, "edition": edition.name, "tensorrt_version": trt_version,
+        "path": out_path.relative_to(root).as_posix(), "sha256": sha256_file(out_path),
+        "bytes": out_path.stat().st_size, "onnx": onnx_path.relative_to(root).as_posix(), "precision": precision,
+        "compute_capabilities": list(capabilities), "recipe_sha256": recipe_sha256,
+        "build_seconds": round(seconds, 3), "decomposable_attention_layers": decomposable,
+        "log": log_path.relative_to(root).as_posix(),
         "profiles": [{"name": profile.name, "batch": list(profile.batch), "tokens": list(profile.tokens),
                       "shapes": {name: [list(shape) for shape in shapes] for name, shapes in ranges.items()}}
                      for profile, ranges in table],
     }
 
 
-def build_engine(onnx_path: Path, out_path: Path, limits: EngineLimits, precision: str, timing_cache: Path,
-                 log_path: Path) -> dict:
-    """Build ``out_path`` from the TensorRT-flavour ONNX and return its manifest entry.
+def build_engine(edition: Edition, role: str, root: Path, limits: EngineLimits, precision: str,
+                 capabilities: tuple[str, ...], recipe_sha256: str,
+                 profiles: tuple[Profile, ...] | None = None) -> dict:
+    """Build ``<root>/<role>/<edition.plan_file>`` from the edition's flavour and return its manifest entry.
 
-    Raises TensorRTUnavailable (no TensorRT / GPU), ValueError (graph or recipe mismatch) or
-    RuntimeError (parse or build failure; details in ``log_path``).
+    Raises TensorRTUnavailable (the edition cannot build here), ValueError (graph or recipe mismatch,
+    profiles that miss a runtime step shape) or RuntimeError (parse or build failure; details in the log).
     """
-    onnx_path, out_path, timing_cache, log_path = map(Path, (onnx_path, out_path, timing_cache, log_path))
+    root = Path(root)
+    onnx_path = root / role / f"model.{edition.flavour}.onnx"
+    out_path, log_path = root / role / edition.plan_file, root / role / f"build.{edition.name}.log"
     model = onnx.load(str(onnx_path), load_external_data=False)
     layout = BindingLayout.from_onnx(model)
     check_precision(layout, precision)
-    check_plugin_nodes(model)
-    table = profile_table(layout, limits)
-    available, reason = probe_tensorrt()
+    check_graph(edition, model)
+    table = profile_table(layout, limits, profiles)
+    if edition is RTX:
+        from ssd_trt.engines.availability import probe_tensorrt_rtx
+        probe = probe_tensorrt_rtx()
+        available, reason = probe["build"], probe["reason"]
+    else:
+        available, reason = probe_tensorrt()
+        capabilities = ()          # the build GPU's own, read below
     if not available:
-        raise TensorRTUnavailable(f"cannot build a TensorRT engine here: {reason}")
-    return _build_with_tensorrt(onnx_path, out_path, table, precision, timing_cache, log_path)
+        raise TensorRTUnavailable(f"cannot build a {edition.name} TensorRT plan here: {reason}")
+    return _build_with_tensorrt(edition, role, root, onnx_path, out_path, log_path, table, precision, capabilities,
+                                recipe_sha256)
 
 
-def _build_with_tensorrt(onnx_path: Path, out_path: Path, table, precision: str, timing_cache: Path,
-                         log_path: Path) -> dict:
-    import tensorrt as trt
-    import torch
+def _build_with_tensorrt(edition: Edition, role: str, root: Path, onnx_path: Path, out_path: Path, log_path: Path,
+                         table, precision: str, capabilities: tuple[str, ...], recipe_sha256: str) -> dict:
+    trt = edition.import_module()
+    timing_cache = root / "timing.cache"
+    if edition is DATACENTER:
+        import torch
 
-    from plugins.tree_attention import trt_plugin
-
-    major, minor = torch.cuda.get_device_capability(0)
-    sm = major * 10 + minor
-    trt_plugin.register(sm)
+        from plugins.tree_attention import trt_plugin
+        major, minor = torch.cuda.get_device_capability(0)
+        capabilities = (f"sm{major}{minor}",)
+        trt_plugin.register(major * 10 + minor)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
         logger = _file_logger(trt, log_file)
         builder = trt.Builder(logger)
-        flags = 0
-        # Strongly typed on 10.x (the flag is deprecated and implied on 11); prefer the AOT plugin path.
-        for flag in ("STRONGLY_TYPED", "PREFER_AOT_PYTHON_PLUGINS"):
-            if hasattr(trt.NetworkDefinitionCreationFlag, flag):
-                flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, flag))
-        network = builder.create_network(flags)
+        network = builder.create_network(network_flags(trt))
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(onnx_path)):
-            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-            raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+            errors = "; ".join(str(parser.get_error(i)).splitlines()[0] for i in range(parser.num_errors))
+            raise RuntimeError(f"{edition.module} could not parse {onnx_path}: {errors} (log: {log_path})")
+        decomposable = prepare_network(edition, trt, network, precision)
         config = builder.create_builder_config()
-        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+        configure(edition, trt, config, capabilities)
         for _, ranges in table:
             profile = builder.create_optimization_profile()
             for name, (low, opt, high) in ranges.items():
                 profile.set_shape(name, low, opt, high)
             config.add_optimization_profile(profile)
-        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.exists() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
-        log_file.write(f"[ssd-trt] building {onnx_path} -> {out_path}: sm_{sm}, {precision}, "
-                       f"{len(table)} profiles ({', '.join(p.name for p, _ in table)})\n")
+        if edition is DATACENTER:     # tactics are timed on the build GPU; RTX builds choose without timing
+            cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.exists() else b"")
+            config.set_timing_cache(cache, ignore_mismatch=False)
+        log_file.write(f"[ssd-trt] building {onnx_path} -> {out_path}: {edition.module} {trt.__version__}, "
+                       f"{', '.join(capabilities)}, {precision}, {len(table)} profiles "
+                       f"({', '.join(p.name for p, _ in table)})\n")
+        log_file.flush()
         start = time.perf_counter()
         serialized = builder.build_serialized_network(network, config)
         seconds = time.perf_counter() - start
         if serialized is None:
-            raise RuntimeError(f"TensorRT failed to build {out_path}; see {log_path}")
+            raise RuntimeError(f"{edition.module} failed to build {out_path}; see {log_path}")
         out_path.write_bytes(bytes(serialized))
-        timing_cache.parent.mkdir(parents=True, exist_ok=True)
-        timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
+        if edition is DATACENTER:
+            timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
         log_file.write(f"[ssd-trt] built in {seconds:.1f} s\n")
-    return manifest_entry(out_path, table, precision, trt.__version__, sm, seconds, timing_cache, log_path)
+    return manifest_entry(edition, role, root, out_path, onnx_path, table, precision, trt.__version__,
+                          tuple(capabilities), seconds, recipe_sha256, log_path, decomposable)
 
 
 def _file_logger(trt, stream):
-    """A ``tensorrt.ILogger`` that writes INFO and above to ``stream`` (defined lazily: needs tensorrt)."""
+    """An ``ILogger`` of either edition that writes INFO and above to ``stream`` (defined lazily: needs TensorRT)."""
 
     class FileLogger(trt.ILogger):
         def __init__(self) -> None:
