@@ -22,6 +22,7 @@ import numpy as np
 
 GRAPH_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "logit_indices")
 GRAPH_OUTPUT_LOGITS = "logits"
+GRAPH_OUTPUT_FEATURES = "features"    # optional, last: a target's hidden states for a feature draft (EAGLE-3)
 
 
 def past_names(layer: int) -> tuple[str, str]:

@@ -5,7 +5,8 @@ checked against the step-graph contract of :mod:`ssd_trt.engines.base`:
 
   inputs   input_ids [B,T] int64, position_ids [B,T] int64, tree_mask [B,T,W] int32,
            cache_lengths [B] int32, logit_indices [B,L] int64, past_key_i / past_value_i [B,Hkv,S,D] float
-  outputs  logits [B,L,V] float (L = T as the GPU runtime binds it), present_key_i / present_value_i [B,Hkv,S,D] (same type as past)
+  outputs  logits [B,L,V] float (L = T as the GPU runtime binds it), present_key_i / present_value_i [B,Hkv,S,D] (same type as past),
+           optionally features [B,T,F] (a target's hidden states for a feature draft; F static)
 
 Each dimension has a *role* (batch, tokens, mask_words, capacity, kv_heads, head_dim, vocab). The
 runtime's shapes come from roles, never from the exporter's symbolic dimension names; kv_heads,
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import onnx
 
-from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_LOGITS, past_names, present_names
+from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, past_names, \
+    present_names
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.engines.profiles import Profile, mask_words
 
@@ -43,6 +45,7 @@ _FIXED_ROLES = {
     # the GPU runtime asks for every position's logits (L = T, picked on the host): same role as the tokens
     "logit_indices": (("batch", "tokens"), ("int64",)),
     GRAPH_OUTPUT_LOGITS: (("batch", "tokens", "vocab"), FLOAT_TYPES),
+    GRAPH_OUTPUT_FEATURES: (("batch", "tokens", "feature_width"), FLOAT_TYPES),   # optional (a feature draft's)
 }
 _CACHE_NAME = re.compile(r"^(past|present)_(key|value)_(\d+)$")
 
@@ -89,7 +92,8 @@ class BindingLayout:
         """Concrete shape of tensor ``name`` for one step."""
         tensor = self.tensor(name)
         sizes = {"batch": batch, "tokens": tokens, "mask_words": mask_words(tokens), "capacity": capacity,
-                 "kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab": self.vocab_size}
+                 "kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab": self.vocab_size,
+                 "feature_width": tensor.shape[-1]}
         return tuple(sizes[role] for role in tensor.roles)
 
     def input_ranges(self, profile: Profile, limits: EngineLimits,
@@ -140,7 +144,8 @@ class BindingLayout:
             if match:
                 roles, allowed, should_be_input = _CACHE_ROLES, FLOAT_TYPES, match.group(1) == "past"
             else:
-                (roles, allowed), should_be_input = _FIXED_ROLES[tensor.name], tensor.name != GRAPH_OUTPUT_LOGITS
+                (roles, allowed) = _FIXED_ROLES[tensor.name]
+            should_be_input = tensor.name not in (GRAPH_OUTPUT_LOGITS, GRAPH_OUTPUT_FEATURES)
             if tensor.is_input != should_be_input:
                 raise ValueError(f"{tensor.name} must be a graph {'input' if should_be_input else 'output'}")
             if len(tensor.shape) != len(roles):
@@ -152,7 +157,7 @@ class BindingLayout:
         facts = {}
         for tensor in placed:
             for role, dim in zip(tensor.roles, tensor.shape):
-                if role in ("kv_heads", "head_dim", "vocab"):
+                if role in ("kv_heads", "head_dim", "vocab", "feature_width"):
                     if not isinstance(dim, int):
                         raise ValueError(f"{tensor.name}: the {role} dimension must be static, got {dim!r}")
                     if facts.setdefault(role, dim) != dim:

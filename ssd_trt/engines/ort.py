@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
-from ssd_trt.engines.base import EngineSpec, all_indices, check_room, past_names, present_names
+from ssd_trt.engines.base import GRAPH_OUTPUT_FEATURES, EngineSpec, all_indices, check_room, past_names, \
+    present_names
 from ssd_trt.engines.kv_cache import KVCache
 
 
@@ -54,6 +55,9 @@ class OrtEngine:
                                                       for i in range(1, threads)))
         self._ort = ort
         self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        # a target exported for a feature draft also returns its hidden states: kept per step, for the draft
+        self.has_features = GRAPH_OUTPUT_FEATURES in {output.name for output in self.session.get_outputs()}
+        self.last_features: np.ndarray | None = None
         self.cache: KVCache | None = None
         self._cache_values: list = []
         self.warm_up()
@@ -89,6 +93,8 @@ class OrtEngine:
         logits = self._step(np.repeat(input_ids, 2, axis=1), np.repeat(position_ids, 2, axis=1), None,
                             all_indices(batch, 1) if logit_indices is None else logit_indices)
         self.cache.rollback(self.cache.lengths - 1)
+        if self.last_features is not None:
+            self.last_features = self.last_features[:, :1]
         return logits
 
     def _step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None,
@@ -106,6 +112,8 @@ class OrtEngine:
         binding.bind_cpu_input("logit_indices", np.ascontiguousarray(
             all_indices(batch, num_new) if logit_indices is None else logit_indices, dtype=np.int64))
         binding.bind_output("logits")  # first bound output: get_outputs()[0]
+        if self.has_features:
+            binding.bind_output(GRAPH_OUTPUT_FEATURES)                  # second: get_outputs()[1]
         for layer in range(self.spec.num_layers):
             for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
                 value = self._cache_values[2 * layer + kind]
@@ -113,7 +121,9 @@ class OrtEngine:
                 binding.bind_ortvalue_output(present, value)  # same memory: written in place
         self.session.run_with_iobinding(binding)
         cache.lengths += num_new
-        return binding.get_outputs()[0].numpy()
+        outputs = binding.get_outputs()
+        self.last_features = outputs[1].numpy() if self.has_features else None
+        return outputs[0].numpy()
 
     def rollback(self, lengths: np.ndarray) -> None:
         self.cache.rollback(lengths)

@@ -21,7 +21,8 @@ from onnx import external_data_helper, helper
 from plugins.tree_attention.onnx_function import (DOMAIN, MASKED_NAME, NAME, OPSET, mask_nodes,
                                                   masked_attention_function, tree_attention_function)
 from plugins.tree_attention.reference import causal_tree_mask
-from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_LOGITS, past_names, present_names
+from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, past_names, \
+    present_names
 from ssd_trt.models.decoder import Decoder, with_named_weights
 
 PLUGIN_VERSION = "1"
@@ -47,12 +48,12 @@ def _register_symbolic() -> None:
     _SYMBOLIC_REGISTERED.append(True)
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+def io_names(num_layers: int, features: bool = False) -> tuple[list[str], list[str]]:
     inputs, outputs = list(GRAPH_INPUTS), [GRAPH_OUTPUT_LOGITS]
     for layer in range(num_layers):
         inputs += past_names(layer)
         outputs += present_names(layer)
-    return inputs, outputs
+    return inputs, outputs + ([GRAPH_OUTPUT_FEATURES] if features else [])
 
 
 WEIGHT_PREFIX = "model."    # graph initializers are named after the traced module: model.<Decoder parameter>
@@ -69,30 +70,78 @@ class _StepGraph(torch.nn.Module):
         return self.model(input_ids, position_ids, tree_mask, cache_lengths, *caches, logit_indices=logit_indices)
 
 
-def trace_step_graph(model: Decoder) -> onnx.ModelProto:
-    """Trace the step graph with dynamic batch, new-token count, logit count, mask words and cache capacity."""
+STEP_DYNAMIC_AXES = {"input_ids": {0: "batch", 1: "new_tokens"}, "position_ids": {0: "batch", 1: "new_tokens"},
+                     "tree_mask": {0: "batch", 1: "new_tokens", 2: "mask_words"}, "cache_lengths": {0: "batch"},
+                     "logit_indices": {0: "batch", 1: "logit_count"}, "logits": {0: "batch", 1: "logit_count"}}
+CACHE_AXES = {0: "batch", 2: "capacity"}
+
+
+def _step_args(batch: int, num_new: int) -> tuple[torch.Tensor, ...]:
+    """Example step inputs for tracing: ids, positions, causal mask, lengths, logit indices."""
+    return (torch.zeros(batch, num_new, dtype=torch.int64), torch.arange(num_new).repeat(batch, 1),
+            torch.from_numpy(causal_tree_mask(batch, num_new)), torch.zeros(batch, dtype=torch.int32),
+            torch.tensor([[1, 2]] * batch, dtype=torch.int64))
+
+
+def _trace(wrapper: torch.nn.Module, args: tuple, inputs: list[str], outputs: list[str],
+           dynamic: dict[str, dict[int, str]]) -> onnx.ModelProto:
     _register_symbolic()
-    model = with_named_weights(model)          # every linear's weight is an initializer '<module>.weight_t'
-    batch, num_new, capacity = 2, 3, 8
-    args = (torch.zeros(batch, num_new, dtype=torch.int64),
-            torch.arange(num_new).repeat(batch, 1),
-            torch.from_numpy(causal_tree_mask(batch, num_new)),
-            torch.zeros(batch, dtype=torch.int32),
-            torch.tensor([[1, 2]] * batch, dtype=torch.int64),
-            *model.empty_caches(batch, capacity))
-    inputs, outputs = io_names(model.config.num_layers)
-    dynamic = {"input_ids": {0: "batch", 1: "new_tokens"}, "position_ids": {0: "batch", 1: "new_tokens"},
-               "tree_mask": {0: "batch", 1: "new_tokens", 2: "mask_words"}, "cache_lengths": {0: "batch"},
-               "logit_indices": {0: "batch", 1: "logit_count"}, "logits": {0: "batch", 1: "logit_count"}}
-    for name in inputs[len(GRAPH_INPUTS):] + outputs[1:]:
-        dynamic[name] = {0: "batch", 2: "capacity"}
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(_StepGraph(model), args, buffer, input_names=inputs, output_names=outputs,
+        torch.onnx.export(wrapper, args, buffer, input_names=inputs, output_names=outputs,
                           dynamic_axes=dynamic, opset_version=OPSET, dynamo=False,
                           custom_opsets={DOMAIN: 1}, do_constant_folding=True)
     return onnx.load_from_string(buffer.getvalue())
+
+
+def trace_step_graph(model: Decoder) -> onnx.ModelProto:
+    """Trace the step graph with dynamic batch, new-token count, logit count, mask words and cache capacity."""
+    model = with_named_weights(model)          # every linear's weight is an initializer '<module>.weight_t'
+    batch, num_new, capacity = 2, 3, 8
+    inputs, outputs = io_names(model.config.num_layers, features=bool(model.feature_layers))
+    dynamic = dict(STEP_DYNAMIC_AXES)
+    if model.feature_layers:
+        dynamic[GRAPH_OUTPUT_FEATURES] = {0: "batch", 1: "new_tokens"}
+    for name in inputs[len(GRAPH_INPUTS):] + [o for o in outputs[1:] if o != GRAPH_OUTPUT_FEATURES]:
+        dynamic[name] = CACHE_AXES
+    return _trace(_StepGraph(model), (*_step_args(batch, num_new), *model.empty_caches(batch, capacity)),
+                  inputs, outputs, dynamic)
+
+
+EAGLE3_INPUTS = ("features", "draft_hidden", "from_target")     # after GRAPH_INPUTS, before the caches
+EAGLE3_OUTPUT_HIDDEN = "hidden"                                   # last output
+
+
+class _Eagle3StepGraph(torch.nn.Module):
+    """An EAGLE-3 draft in the step graph's order: (step inputs, features, draft_hidden, from_target, caches)
+    -> (logits, caches, hidden)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, tree_mask, cache_lengths, logit_indices, features, draft_hidden,
+                from_target, key_cache, value_cache):
+        logits, hidden, key_cache, value_cache = self.model(
+            input_ids, position_ids, tree_mask, cache_lengths, features, draft_hidden, from_target, key_cache,
+            value_cache, logit_indices=logit_indices)
+        return logits, key_cache, value_cache, hidden
+
+
+def trace_eagle3_step_graph(model) -> onnx.ModelProto:
+    """The step graph of an :class:`~ssd_trt.models.eagle3.Eagle3Draft`: the decoder step's inputs plus each
+    token's target features [B,T,3H], the draft's own carried hidden [B,T,H] and which of the two it carries
+    [B,T] bool; outputs the logits, the one layer's caches and the output hidden [B,T,H]."""
+    model = with_named_weights(model)
+    batch, num_new, capacity, width = 2, 3, 8, model.config.layer.hidden_size
+    inputs = [*GRAPH_INPUTS, *EAGLE3_INPUTS, *past_names(0)]
+    outputs = [GRAPH_OUTPUT_LOGITS, *present_names(0), EAGLE3_OUTPUT_HIDDEN]
+    dynamic = {**STEP_DYNAMIC_AXES, **{name: CACHE_AXES for name in (*past_names(0), *present_names(0))},
+               **{name: {0: "batch", 1: "new_tokens"} for name in (*EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN)}}
+    args = (*_step_args(batch, num_new), torch.zeros(batch, num_new, 3 * width), torch.zeros(batch, num_new, width),
+            torch.ones(batch, num_new, dtype=torch.bool), *model.empty_caches(batch, capacity))
+    return _trace(_Eagle3StepGraph(model), args, inputs, outputs, dynamic)
 
 
 def _attention_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:

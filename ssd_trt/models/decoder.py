@@ -49,19 +49,43 @@ def rope_inverse_frequencies(config: DecoderConfig) -> torch.Tensor:
     return inv.float()
 
 
+def rotary_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, T, D] of each token's rotary angles (fp32 angles, cast to the model's type)."""
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]          # [B, 1, T, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class RotaryModule(nn.Module):
+    """A module with an ``inv_freq`` buffer for ``rotary_config``, kept fp32 whatever the module is cast to."""
+    rotary_config: DecoderConfig
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's (``.to``, ``.half``, ``.cuda``), but the rotary frequencies stay fp32: a half-precision
+        theta^(-2i/D) is off by up to 5e-4 relative, i.e. by whole radians of rotary angle at positions in the
+        thousands (a 2048-token fp16 model's keys were wrong by 0.4 before this)."""
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inverse_frequencies(self.rotary_config).to(self.inv_freq.device)
+        return self
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, input_size: int | None = None) -> None:
+        """``input_size``: width of what the q/k/v projections read (default hidden_size; EAGLE-3's layer
+        reads [embedding ; features], twice that)."""
         super().__init__()
         c = config
+        width = input_size or c.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.q_proj = nn.Linear(width, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(width, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(width, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
@@ -112,14 +136,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), key_cache, value_cache
 
 
-class Decoder(nn.Module):
+class Decoder(RotaryModule):
     """The step graph: (input_ids, position_ids, tree_mask, cache_lengths, *caches) -> (logits, *caches).
 
     ``logit_indices`` [B, L] (keyword) picks the new tokens whose logits are computed (None: all of them);
     the exported graph takes it as an input (``export/onnx_export.py``).
 
     ``caches`` alternates key/value per layer: past_key_0, past_value_0, past_key_1, ...
+
+    ``feature_layers`` (empty by default; :func:`with_target_features`): the layers whose input residual
+    stream every new token also returns, concatenated, as a last output ``features`` [B, T, n*H] (what an
+    EAGLE-3 draft reads, ``models/eagle3.py``).
     """
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -137,13 +166,9 @@ class Decoder(nn.Module):
             self.lm_head_token_ids = None
         self.register_buffer("inv_freq", rope_inverse_frequencies(c), persistent=False)
 
-    def _apply(self, fn, recurse=True):
-        """As nn.Module's (``.to``, ``.half``, ``.cuda``), but the rotary frequencies stay fp32: a half-precision
-        theta^(-2i/D) is off by up to 5e-4 relative, i.e. by whole radians of rotary angle at positions in the
-        thousands (a 2048-token fp16 model's keys were wrong by 0.4 before this)."""
-        super()._apply(fn, recurse)
-        self.inv_freq = rope_inverse_frequencies(self.config).to(self.inv_freq.device)
-        return self
+    @property
+    def rotary_config(self) -> DecoderConfig:
+        return self.config
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = hidden @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(hidden)
@@ -163,18 +188,20 @@ class Decoder(nn.Module):
         the GPU runtime passes the Triton kernel updating the caches in place (``engines/device_step.py``)."""
         if len(caches) != 2 * self.config.num_layers:
             raise ValueError(f"expected {2 * self.config.num_layers} cache tensors, got {len(caches)}")
-        angles = position_ids.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :, :]          # [B, 1, T, D]
         x = self.embed_tokens(input_ids)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = rotary_tables(position_ids, self.inv_freq, x.dtype)
         new_caches: list[torch.Tensor] = []
+        features: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                features.append(x)
             x, key_cache, value_cache = layer(x, cos, sin, cache_lengths, tree_mask,
                                               caches[2 * i], caches[2 * i + 1], attention)
             new_caches += [key_cache, value_cache]
         if logit_indices is not None:   # only these tokens pay the final norm and the LM head
             x = torch.gather(x, 1, logit_indices[..., None].expand(-1, -1, x.shape[-1]))
-        return (self.head(self.norm(x)), *new_caches)
+        outputs = (self.head(self.norm(x)), *new_caches)
+        return outputs + (torch.cat(features, dim=-1),) if self.feature_layers else outputs
 
     def empty_caches(self, batch: int, capacity: int) -> list[torch.Tensor]:
         c = self.config
@@ -210,3 +237,13 @@ def with_named_weights(model: Decoder) -> Decoder:
     if named.lm_head is None:
         named.lm_head = TransposedLinear(named.embed_tokens.weight)
     return named
+
+
+def with_target_features(model: Decoder, layers: tuple[int, ...]) -> Decoder:
+    """A copy of ``model`` that also returns the residual stream entering each of ``layers`` (see Decoder)."""
+    import copy
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= i < model.config.num_layers for i in layers):
+        raise ValueError(f"feature layers {layers} must be distinct layers of a {model.config.num_layers}-layer model")
+    featured = copy.deepcopy(model)
+    featured.feature_layers = tuple(sorted(layers))
+    return featured
