@@ -187,6 +187,11 @@ def test_the_target_step_graph_returns_the_residual_stream_entering_the_feature_
     assert featured.feature_layers == (0, 2, 3) and model.feature_layers == ()
     save_flavours(trace_step_graph(featured), tmp_path, datacenter=False)
     c = model.config
+    from ssd_trt.engines.bindings import BindingLayout
+    layout = BindingLayout.from_onnx(tmp_path / "model.ort.onnx")      # the contract, with the optional output
+    assert layout.tensor("features").roles == ("batch", "tokens", "feature_width")
+    assert layout.tensor("features").shape[-1] == 3 * c.hidden_size and not layout.tensor("features").is_input
+    assert not layout.tensor("present_key_0").is_input and layout.num_layers == 4
     spec = EngineSpec(name="target", vocab_size=c.vocab_size, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                       head_dim=c.head_dim, max_batch=2, max_context=64)
     engine = OrtEngine(tmp_path / "model.ort.onnx", spec, int8_activations=padded)

@@ -144,8 +144,8 @@ class BindingLayout:
             if match:
                 roles, allowed, should_be_input = _CACHE_ROLES, FLOAT_TYPES, match.group(1) == "past"
             else:
-                (roles, allowed) = _FIXED_ROLES[tensor.name]
-            should_be_input = tensor.name not in (GRAPH_OUTPUT_LOGITS, GRAPH_OUTPUT_FEATURES)
+                roles, allowed = _FIXED_ROLES[tensor.name]
+                should_be_input = tensor.name not in (GRAPH_OUTPUT_LOGITS, GRAPH_OUTPUT_FEATURES)
             if tensor.is_input != should_be_input:
                 raise ValueError(f"{tensor.name} must be a graph {'input' if should_be_input else 'output'}")
             if len(tensor.shape) != len(roles):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import onnx
 
-from plugins.tree_attention.trt_plugin import PLUGIN_ID, PLUGIN_NAME, validate_onnx_node
+from plugins.tree_attention.trt_plugin import PLUGIN_NAME, validate_onnx_node
 from ssd_trt.manifest import sha256_file
 from ssd_trt.engines.availability import probe_tensorrt
 from ssd_trt.engines.bindings import BindingLayout
