@@ -7,4 +7,4 @@ bash scripts/install.sh
 PY=${PYTHON:-python3}
 # TensorRT for RTX (95 MB): the tests build real plans of the embedded default with it, on this CPU
 $PY -m pip install --quiet --disable-pip-version-check -e ".[rtx]"
-exec $PY -m pytest -q "$@"
+exec $PY -m pytest -q --durations=15 "$@"
