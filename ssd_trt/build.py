@@ -233,8 +233,8 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
 
 
 # The fp32 twin is checked at a short cache: the rewrite does not depend on the capacity (only a static
-# dimension changes; the node sequence is compared with the saved graph's), and a 2048-slot cache made the
-# check the slowest step of the build.
+# dimension changes, and the node sequence is compared with the saved graph's); a max_context-long random
+# cache would only make each checked step slower.
 TWIN_CAPACITY = 64
 
 
