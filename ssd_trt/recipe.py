@@ -52,6 +52,7 @@ class EngineRecipe(EngineLimits):
                             "the GPU it runs on, tree attention as a plugin), rtx (TensorRT for RTX, ahead of time "
                             "without a GPU, native attention layer), auto (export both flavours; build with "
                             "whichever can build here, data-centre first)")
+    # TensorRT for RTX 1.7's ComputeCapability enum: no sm90, so a Hopper GPU cannot run these plans
     compute_capabilities: tuple[Literal["sm75", "sm80", "sm86", "sm89", "sm120", "sm121"], ...] = Field(
         ("sm86", "sm89", "sm120"), min_length=1,
         description="GPUs a TensorRT for RTX plan gets kernels for (RTX 30 = sm86, 40 = sm89, 50 = sm120); "

@@ -28,9 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 EditionName = Literal["datacenter", "rtx"]
-# Compute capabilities TensorRT for RTX 1.7 can target (its ComputeCapability enum: no SM90, so a Hopper
-# data-centre GPU cannot run these plans).
-RTX_COMPUTE_CAPABILITIES = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
 RTX_WHEEL = "tensorrt-rtx-cu13==1.7.1.116"
 
 
@@ -41,7 +38,6 @@ class Edition:
     module: str
     flavour: str             # model.<flavour>.onnx
     plan_file: str           # <role>/<plan_file>
-    builds_without_gpu: bool
     install_hint: str
 
     def installed(self) -> bool:
@@ -55,9 +51,9 @@ class Edition:
         return importlib.import_module(self.module)
 
 
-DATACENTER = Edition("datacenter", "tensorrt", "trt", "engine.plan", builds_without_gpu=False,
+DATACENTER = Edition("datacenter", "tensorrt", "trt", "engine.plan",
                      install_hint="install TensorRT >= 10.9 on a GPU host (pip install -e '.[trt]')")
-RTX = Edition("rtx", "tensorrt_rtx", "rtx", "engine.rtx.plan", builds_without_gpu=True,
+RTX = Edition("rtx", "tensorrt_rtx", "rtx", "engine.rtx.plan",
               install_hint=f"pip install -e '.[rtx]' (installs {RTX_WHEEL})")
 EDITIONS: dict[str, Edition] = {DATACENTER.name: DATACENTER, RTX.name: RTX}
 
@@ -65,18 +61,6 @@ EDITIONS: dict[str, Edition] = {DATACENTER.name: DATACENTER, RTX.name: RTX}
 def editions_for(choice: str) -> tuple[Edition, ...]:
     """The editions a recipe's ``engine.tensorrt`` asks for, in preference order (``auto``: both)."""
     return (DATACENTER, RTX) if choice == "auto" else (EDITIONS[choice],)
-
-
-def plan_edition(plan_file: str) -> Edition:
-    for edition in EDITIONS.values():
-        if edition.plan_file == plan_file:
-            return edition
-    raise KeyError(plan_file)
-
-
-def sm_number(capability: str) -> int:
-    """'sm89' -> 89."""
-    return int(capability.removeprefix("sm"))
 
 
 def network_flags(trt: Any) -> int:

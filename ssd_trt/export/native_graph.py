@@ -105,32 +105,23 @@ def _replace_rotary(graph: onnx.GraphProto) -> int:
     """
     producer = {out: node for node in graph.node for out in node.output}
     replaced: dict[int, onnx.NodeProto] = {}
-    dead: set[int] = set()
     tables: dict[tuple[str, str], tuple[str, str]] = {}
     extra: list[onnx.NodeProto] = []
     for node in graph.node:
         match = _rotary_match(node, producer)
         if match is None:
             continue
-        x, cos, sin, parts = match
+        x, cos, sin = match
         if (cos, sin) not in tables:
             tables[(cos, sin)] = (f"native_rope_cos_{len(tables)}", f"native_rope_sin_{len(tables)}")
             extra += _half_tables(cos, sin, *tables[(cos, sin)])
         half_cos, half_sin = tables[(cos, sin)]
         replaced[id(node)] = helper.make_node("RotaryEmbedding", [x, half_cos, half_sin], list(node.output),
                                               name=f"{node.name or node.output[0]}_rotary")
-        dead.update(id(part) for part in parts)
     if not replaced:
         return 0
-    # a matched Mul/Concat/Neg/Slice is dropped only if nothing left reads it (in a traced layer nothing does)
-    live_reads = {name for node in graph.node if id(node) not in dead
-                  for name in replaced.get(id(node), node).input} | {out.name for out in graph.output}
-    dead = {id(node) for node in graph.node if id(node) in dead and not set(node.output) & live_reads}
-    nodes = []
-    for node in graph.node:
-        if id(node) in dead:
-            continue
-        nodes.append(replaced.get(id(node), node))
+    # the matched Mul/Concat/Neg/Slice nodes are left unread: _drop_unread removes them
+    nodes = [replaced.get(id(node), node) for node in graph.node]
     # the half tables go right after the last node their inputs need
     position = max(i for i, n in enumerate(nodes) if set(n.output) & {c for pair in tables for c in pair}) + 1
     nodes[position:position] = extra
@@ -140,7 +131,7 @@ def _replace_rotary(graph: onnx.GraphProto) -> int:
 
 
 def _rotary_match(node, producer):
-    """(x, cos, sin, matched nodes) when ``node`` is the Add of a traced rotary embedding, else None."""
+    """(x, cos, sin) when ``node`` is the Add of a traced rotary embedding, else None."""
     if node.op_type != "Add" or len(node.input) != 2:
         return None
     muls = [producer.get(name) for name in node.input]
@@ -162,7 +153,7 @@ def _rotary_match(node, producer):
             continue
         cos = plain.input[1] if plain.input[0] == x else plain.input[0]
         sin = next(i for i in rotated.input if i != concat.output[0])
-        return x, cos, sin, [plain, rotated, concat, neg, first, second]
+        return x, cos, sin
     return None
 
 
