@@ -108,7 +108,7 @@ def stale_reason(recipe_path: Path, root: Path | None = None) -> str | None:
 def _missing_plans(recipe: Recipe, manifest) -> str | None:
     """Why a build made without TensorRT for RTX is stale once it is installed (its plans need no GPU)."""
     from ssd_trt.engines.editions import RTX, editions_for
-    if recipe.engine.backend == "ort" or RTX not in editions_for(recipe.engine.tensorrt) or manifest.tensorrt.plans:
+    if recipe.engine.backend == "ort" or recipe.draft.kind == "eagle3" or RTX not in editions_for(recipe.engine.tensorrt) or manifest.tensorrt.plans:
         return None
     if RTX.installed():
         return (f"TensorRT for RTX ({RTX.module}) is installed now and the build has no plans "
@@ -137,9 +137,10 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
 
     from ssd_trt.export.block_weights import apply_block_weights, model_block_weights
     from ssd_trt.export.native_graph import native_flavour
-    from ssd_trt.export.onnx_export import save_flavours, trace_step_graph
+    from ssd_trt.export.onnx_export import save_flavours, trace_eagle3_step_graph, trace_step_graph
     from ssd_trt.export.parity import transformers_parity
-    from ssd_trt.export.validate import validate_with_polygraphy
+    from ssd_trt.export.validate import validate_eagle3_graph, validate_with_polygraphy
+    from ssd_trt.models.decoder import with_target_features
     from ssd_trt.models.loading import load_decoder, load_tokenizer
     from ssd_trt.models.sources import resolve_source, source_fingerprint
     from ssd_trt.trt.build_step import maybe_build_engines
@@ -159,37 +160,51 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
     def step(name: str) -> None:
         bar.set_postfix_str(name)
 
+    feature_draft = recipe.draft.kind == "eagle3"
     for role in ROLES:
         step(f"load {role}")
-        models[role], hf_configs[role] = load_decoder(sources[role])
+        if role == "draft" and feature_draft:
+            models[role], hf_configs[role] = load_feature_draft(sources[role], models["target"])
+            # the target's step graph also returns the features this draft reads (issue 19, item 1)
+            models["target"] = with_target_features(models["target"], models[role].config.feature_layers)
+        else:
+            models[role], hf_configs[role] = load_decoder(sources[role])
         if role == "draft":   # a malformed copy component fails the build, not the first request
             from ssd_trt.engines.copy_mixture import CopyMixture
             CopyMixture.from_config(hf_configs[role], where=f"{sources[role].path}/config.json")
         named = getattr(recipe, role).tokenizer
-        if named == "target" and role == "draft":
+        if (named == "target" or feature_draft) and role == "draft":
             tokenizers[role] = tokenizers["target"]      # declared shared; vocab sizes are still checked
         else:
             tokenizers[role] = load_tokenizer(resolve_source(named, bases) if named else sources[role])
         bar.update()
     step("tokenizer")
     check_same_tokenizer(tokenizers["target"], tokenizers["draft"], models["target"].config.vocab_size,
-                         models["draft"].config.vocab_size)
+                         decoder_config(models["draft"]).vocab_size)
     tokenizer_dir = out / "tokenizer"
     tokenizers["target"].save_pretrained(tokenizer_dir)
     artifacts += [{"role": "tokenizer", **artifact_entry(out, p)} for p in sorted(tokenizer_dir.iterdir())]
     bar.update()
     for role in ROLES:
         step(f"parity {role}")
-        parity[role] = transformers_parity(models[role], sources[role])
+        parity[role] = ({"max_abs_diff": None, "reason": "an EAGLE-3 head is no transformers model; its graph is "
+                                                         "checked against models/eagle3.py"}
+                        if role == "draft" and feature_draft else transformers_parity(models[role], sources[role]))
         bar.update()
     for role in ROLES:
         step(f"export {role}")
+        if role == "draft" and feature_draft:     # ONNX Runtime only for now: no TensorRT flavours
+            paths = save_flavours(trace_eagle3_step_graph(models[role]), out / role, datacenter=False)
+            artifacts += [{"role": role, "flavour": flavour, **artifact_entry(out, path)} for flavour, path in paths.items()]
+            bar.update()
+            continue
         blocks = model_block_weights(getattr(recipe, role).weights, sources[role], models[role],
                                      keep_8bit=getattr(recipe, role).activations == "int8")
         traced = trace_step_graph(models[role])
         if blocks:
             traced, quantization[role] = apply_block_weights(traced, blocks)
-        precision, editions = recipe.engine.trt_precision, editions_for(recipe.engine.tensorrt)
+        precision = recipe.engine.trt_precision
+        editions = () if feature_draft else editions_for(recipe.engine.tensorrt)
         trt_traced = None if precision == "fp32" else trace_step_graph(half_copy(models[role], precision))
         native = None
         if RTX in editions:   # plain weights in the engine precision (block weights are ONNX Runtime's)
@@ -203,7 +218,9 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         bar.update()
     for role in ROLES:
         step(f"validate {role}")
-        validation[role] = validate_with_polygraphy(models[role], out / role / "model.ort.onnx",
+        validation[role] = validate_eagle3_graph(models[role], out / role / "model.ort.onnx",
+                                                 [tuple(s) for s in recipe.validate_shapes]) \
+            if role == "draft" and feature_draft else validate_with_polygraphy(models[role], out / role / "model.ort.onnx",
                                                     [tuple(s) for s in recipe.validate_shapes])
         if not validation[role]["passed"]:
             raise SsdTrtError(f"{role} ONNX graph disagrees with the torch model "
@@ -213,15 +230,17 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
                                                         out / role / "model.rtx.onnx", recipe)
         bar.update()
     step("tensorrt")
-    tensorrt = maybe_build_engines(recipe, out)
+    tensorrt = ({"status": "skipped", "reason": "an eagle3 (feature) draft runs on ONNX Runtime only for now",
+                 "plans": []} if feature_draft else maybe_build_engines(recipe, out))
     artifacts += tensorrt.pop("artifacts", [])
     bar.update()
     manifest = Manifest(
         schema_version=SCHEMA_VERSION, recipe=recipe, recipe_path=str(recipe_path),
-        models={role: {"config": models[role].config, "hf_config": _jsonable(hf_configs[role]),
+        models={role: {"config": decoder_config(models[role]), "hf_config": _jsonable(hf_configs[role]),
                        "source": str(sources[role].path), "source_sha256": source_fingerprint(sources[role]),
                        "parity_vs_transformers": parity[role], "quantization": quantization.get(role),
-                       "head_token_ids": None if models[role].lm_head_token_ids is None else "embedded in weights"}
+                       "head_token_ids": None if getattr(models[role], "lm_head_token_ids", None) is None
+                       else "embedded in weights"}
                 for role in ROLES},
         tokenizer={"dir": "tokenizer", "vocab_size": models["target"].config.vocab_size,
                    "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
@@ -230,6 +249,24 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
     write_manifest(out, manifest)
     (out / BUILDING_MARKER).unlink(missing_ok=True)
     return out
+
+
+def load_feature_draft(source, target) -> tuple[Any, dict]:
+    """An EAGLE-3 head (released layout) for ``target``, on the target's embedding; and its config.json."""
+    from ssd_trt.models.eagle3 import load_eagle3_checkpoint
+    model = load_eagle3_checkpoint(source.path, target.config.num_layers, target.embed_tokens.weight.detach())
+    if model.config.layer.vocab_size != target.config.vocab_size or \
+            model.config.layer.hidden_size != target.config.hidden_size:
+        raise RecipeError(f"EAGLE-3 head {source.path} is for a target of vocabulary {model.config.layer.vocab_size} "
+                          f"and width {model.config.layer.hidden_size}; this target has {target.config.vocab_size} "
+                          f"and {target.config.hidden_size}")
+    return model.eval(), json.loads((Path(source.path) / "config.json").read_text())
+
+
+def decoder_config(model):
+    """The decoder config the manifest records: a feature draft's is its one layer's (same vocabulary)."""
+    layer = getattr(model.config, "layer", None)
+    return model.config if layer is None else layer
 
 
 # The fp32 twin is checked at a short cache: the rewrite does not depend on the capacity (only a static

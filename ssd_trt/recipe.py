@@ -43,6 +43,25 @@ class ModelSpec(BaseModel):
         return value
 
 
+class DraftSpec(ModelSpec):
+    """The draft: an independent model (tokens only), or a feature draft that reads the target's hidden states."""
+    kind: Literal["independent", "eagle3"] = Field(
+        "independent", description="independent: a small LM of its own (HF checkpoint or GGUF); eagle3: an EAGLE-3 "
+                                   "head in the released layout (config.json + fc/midlayer/norm/lm_head/d2t/t2d; "
+                                   "models/eagle3.py) that reads the target's features, on the target's tokenizer "
+                                   "and embedding (ONNX Runtime only for now)")
+
+    @model_validator(mode="after")
+    def _feature_draft_fits(self) -> "DraftSpec":
+        if self.kind == "eagle3":
+            if self.weights != "float":
+                raise ValueError(f"an eagle3 draft keeps float weights (weights: float), got weights: {self.weights}")
+            if self.tokenizer not in (None, "target"):
+                raise ValueError("an eagle3 draft reads the target's embedding: its tokenizer is the target's "
+                                 "(tokenizer: target, or leave it out)")
+        return self
+
+
 class EngineRecipe(EngineLimits):
     """The engine limits (``engines/limits.py``: validated there, once) and how to build the engines."""
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -85,7 +104,7 @@ class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     target: ModelSpec
-    draft: ModelSpec
+    draft: DraftSpec
     engine: EngineRecipe = EngineRecipe()
     decoding: DecodingDefaults = DecodingDefaults()
     output_dir: str | None = None
@@ -102,6 +121,8 @@ class Recipe(BaseModel):
         if d.ssd_fan_out_budget < d.ssd_draft_len + 1:
             raise ValueError(f"decoding.ssd_fan_out_budget ({d.ssd_fan_out_budget}) must be at least "
                              f"decoding.ssd_draft_len + 1 ({d.ssd_draft_len + 1}): one guess per acceptance length")
+        if self.draft.kind == "eagle3" and e.backend == "trt":
+            raise ValueError("draft.kind eagle3 runs on ONNX Runtime only for now: set engine.backend to auto or ort")
         tree = ssd_tree_tokens(d.ssd_draft_len, d.ssd_fan_out_budget)
         if tree > e.max_tree_size:
             raise ValueError(f"an SSD tree step with decoding.ssd_draft_len {d.ssd_draft_len} and "

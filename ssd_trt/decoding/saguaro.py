@@ -16,6 +16,11 @@ One round, as the two devices see it (the draft runs on its own core/thread, con
   just in time below the critical batch size, prompt lookup (near-zero latency) at or above it.
   After each round the fan-out shapes learn from where the bonus token fell (fan_out.FanOutPlanner).
 
+With a feature draft (EAGLE-3, ``engines/feature_draft.py``) the glue decode runs before the target's
+features of the speculation exist: s_1..s_K carry the draft's own, and every branch is pre-drafted behind
+them; the commit after the verification hands the draft the target's features of t*_prev, s_1..s_k, and the
+next glue decode re-feeds those tokens carrying them.
+
 The file reads in that order: settings, the draft side (DraftWorker: steps 1-4 and the just-in-time
 backup), then the target side (:func:`saguaro_rounds`: verify, look up, learn, back up).
 
@@ -40,6 +45,7 @@ import numpy as np
 
 from ssd_trt.decoding.backup import lookup_followers, ngram_proposal
 from ssd_trt.decoding.batch import Sequences, first_tokens
+from ssd_trt.decoding.feature_relay import Verified, chain_features, hand_over, prompt_features
 from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks, ranked_forks
 from ssd_trt.decoding.mode import Plan
 from ssd_trt.decoding.params import SamplingParams
@@ -138,11 +144,13 @@ class DraftWorker:
         self.pending = [list(p) for p in prompts]
         self.history = [list(p) for p in prompts]
 
-    def commit(self, accepted_glue: list[list[int]]) -> None:
-        """The verified prefix grew by these tokens (glue tokens 0..k of the last speculation)."""
+    def commit(self, accepted_glue: list[list[int]], verified: Verified) -> None:
+        """The verified prefix grew by these tokens (glue tokens 0..k of the last speculation); a feature
+        draft gets the target's features of them (``verified``; empty for an independent draft)."""
         for row, tokens in enumerate(accepted_glue):
             self.pending[row] += tokens
             self.history[row] += tokens
+        hand_over(self.draft, verified)
 
     def speculate(self, bonus: list[int], spec: Speculation, shapes: list[list[int]]) -> SpeculationCache:
         """Steps 1-4 of the round for the speculation the target is verifying now."""
@@ -310,6 +318,7 @@ def saguaro_rounds(state: Round, target: Engine, prompts: list[list[int]], seqs:
     timeline: list[dict] = []
     draft_started = state.on_draft(state.worker.start, prompts)     # draft prefill overlaps target prefill
     bonus = first_tokens(target, prompts, seqs, rng)
+    state.on_draft(state.worker.commit, [[] for _ in prompts], prompt_features(target, state.worker.draft, prompts))
     spec = guarded(bonus, lambda: first_speculation(state, draft_started, bonus, batch, vocab))
     while not seqs.all_done:
         t_submit = time.perf_counter()
@@ -317,12 +326,13 @@ def saguaro_rounds(state: Round, target: Engine, prompts: list[list[int]], seqs:
         cache_future = state.on_draft(state.worker.speculate, bonus, spec, shapes)
         t_verify = time.perf_counter()                             # target: verify (draft: speculate)
         outcomes = verify_and_commit(target, bonus, spec.tokens, spec.dists, seqs, rng, state.stats)
+        verified = chain_features(target, state.worker.draft, outcomes)   # a feature draft's, after its job
         t_verified = time.perf_counter()
         glue = accepted_glue(bonus, spec, outcomes)
         bonus = [previous if o is None else o.bonus for previous, o in zip(bonus, outcomes)]
         cache = guarded(bonus, lambda: validate_cache(state.result(cache_future), batch, K, vocab))
         t_looked_up = time.perf_counter()
-        state.on_draft(state.worker.commit, glue)
+        state.on_draft(state.worker.commit, glue, verified)
         learn_fan_out(state.planner, cache, spec, outcomes)
         next_spec, missed = look_up(cache, outcomes, seqs, K, state.use_jit, state.stats)
         if missed:

@@ -12,6 +12,7 @@ from typing import Mapping
 import numpy as np
 
 from ssd_trt.decoding.batch import Sequences, first_tokens
+from ssd_trt.decoding.feature_relay import chain_features, hand_over, prompt_features
 from ssd_trt.decoding.mode import Plan
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.rounds import verify_and_commit
@@ -19,6 +20,7 @@ from ssd_trt.decoding.sampling import TokenDistribution, filter_logits
 from ssd_trt.decoding.speculative_tree import generate_tree_speculative, tree_nodes
 from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.engines.base import Engine
+from ssd_trt.engines.feature_draft import takes_target_features
 from ssd_trt.engines.feeding import feed_ragged
 from ssd_trt.engines.placement import ModelPlacement
 
@@ -82,6 +84,8 @@ def generate_speculative(target: Engine, draft: Engine, prompts: list[list[int]]
     stats = RoundStats(mode="sd", draft_len=draft_len)
     draft.reset(batch)
     bonus = first_tokens(target, prompts, seqs, rng)
+    hand_over(draft, prompt_features(target, draft, prompts))   # a feature draft reads them (no-op otherwise)
+    refeed_verified = takes_target_features(draft)
     pending = [list(p) + [b] for p, b in zip(prompts, bonus)]   # tokens the draft has not seen yet
     while not seqs.all_done:
         t0 = time.perf_counter()
@@ -90,15 +94,18 @@ def generate_speculative(target: Engine, draft: Engine, prompts: list[list[int]]
         draft_fed = draft.lengths - draft_start
         t1 = time.perf_counter()
         outcomes = verify_and_commit(target, bonus, tokens, dists, seqs, rng, stats)
+        hand_over(draft, chain_features(target, draft, outcomes))
         t2 = time.perf_counter()
         new_draft = draft_start.copy()
         for row, outcome in enumerate(outcomes):
             if outcome is None:          # finished rows idle: nothing kept, nothing grows
                 pending[row] = [bonus[row]]
                 continue
-            # the draft fed pending + s_1..s_{K-1}; keep pending + s_1..s_k (s_K was never fed)
+            # the draft fed pending + s_1..s_{K-1}; keep pending + s_1..s_k (s_K was never fed). A feature
+            # draft keeps none of them: it fed s_i with its own features, and a verified token is fed again
+            # carrying the target's (engines/feature_draft.py)
             fed_pending = int(draft_fed[row]) - (draft_len - 1)
-            kept = min(outcome.accepted, draft_len - 1)
+            kept = 0 if refeed_verified else min(outcome.accepted, draft_len - 1)
             new_draft[row] = draft_start[row] + fed_pending + kept
             pending[row] = [int(t) for t in tokens[row, kept:outcome.accepted]] + [outcome.bonus]
             bonus[row] = outcome.bonus

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from ssd_trt.decoding.batch import Sequences, first_tokens
+from ssd_trt.decoding.feature_relay import hand_over, prompt_features, tree_features
 from ssd_trt.decoding.sampling import TokenDistribution, filter_logits, next_tokens, top_tokens, verify_tree_children
 from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.engines.base import Engine
@@ -42,6 +43,7 @@ def generate_tree_speculative(target: Engine, draft: Engine, prompts: list[list[
     stats = RoundStats(mode="sd-tree", draft_len=len(tree_widths))
     draft.reset(batch)
     bonus = first_tokens(target, prompts, seqs, rng)
+    hand_over(draft, prompt_features(target, draft, prompts))
     pending = [list(p) + [b] for p, b in zip(prompts, bonus)]
     parents, depth_of = tree_shape(tree_widths)        # node 0 is the root (the bonus token)
     mask = tree_mask_from_parents(parents)
@@ -65,6 +67,7 @@ def generate_tree_speculative(target: Engine, draft: Engine, prompts: list[list[
             accepted = [int(nodes[row, n]) for n in path[1:]]
             seqs.commit(row, accepted + [extra])
             stats.record_round(len(accepted))
+            hand_over(draft, tree_features(target, draft, row, int(start[row]), path))
             target.keep(row, int(start[row]), path)       # root + accepted nodes, compacted
             pending[row] = accepted + [extra]
             bonus[row] = extra

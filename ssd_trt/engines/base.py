@@ -23,6 +23,11 @@ import numpy as np
 GRAPH_INPUTS = ("input_ids", "position_ids", "tree_mask", "cache_lengths", "logit_indices")
 GRAPH_OUTPUT_LOGITS = "logits"
 GRAPH_OUTPUT_FEATURES = "features"    # optional, last: a target's hidden states for a feature draft (EAGLE-3)
+# a feature draft's step graph (EAGLE-3, models/eagle3.py) also takes, per new token, the target's features
+# [B,T,F], the draft's own carried hidden [B,T,H] and which of the two it carries [B,T] bool (after GRAPH_INPUTS,
+# before the caches), and returns its output hidden [B,T,H] last: engines/feature_draft.py feeds them
+EAGLE3_INPUTS = ("features", "draft_hidden", "from_target")
+EAGLE3_OUTPUT_HIDDEN = "hidden"
 
 
 def past_names(layer: int) -> tuple[str, str]:

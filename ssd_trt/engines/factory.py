@@ -123,6 +123,8 @@ def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlace
                 edition: str | None = None) -> Engine:
     """The role's engine on ``backend`` (ort | trt | torch), placed as asked; ``edition``: which TensorRT plan."""
     spec = engine_spec(manifest, role)
+    if role == "draft" and manifest.recipe.draft.kind == "eagle3":
+        return _feature_draft_engine(root, manifest, spec, placement, backend)
     if backend == "torch":
         return _torch_engine(manifest, role)
     if backend == "trt":
@@ -137,6 +139,23 @@ def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlace
     return OrtEngine(Path(root) / role / "model.ort.onnx", spec, placement.threads, placement.cores,
                      spin=placement.spin,
                      int8_activations=getattr(manifest.recipe, role).activations == "int8")
+
+
+def _feature_draft_engine(root: Path, manifest: Manifest, spec: EngineSpec, placement: ModelPlacement,
+                          backend: str) -> Engine:
+    """The EAGLE-3 draft's ONNX Runtime engine behind ``FeatureDraftEngine`` (which features each token carries)."""
+    from ssd_trt.engines.feature_draft import FeatureDraftEngine
+    from ssd_trt.engines.ort import OrtEngine
+    if backend != "ort":
+        raise ArtifactError(f"the build in {root} has an eagle3 draft, which runs on ONNX Runtime only for now "
+                            f"(asked for backend {backend!r}); use --backend ort or auto")
+    inner = OrtEngine(Path(root) / "draft" / "model.ort.onnx", spec, placement.threads, placement.cores,
+                      spin=placement.spin, int8_activations=manifest.recipe.draft.activations == "int8")
+    widths = {i.name: i.shape[-1] for i in inner.session.get_inputs()}
+    if not isinstance(widths.get("features"), int) or not isinstance(widths.get("draft_hidden"), int):
+        raise ArtifactError(f"{root}/draft/model.ort.onnx is not an eagle3 step graph (it lacks static features / "
+                            f"draft_hidden inputs); rebuild")
+    return FeatureDraftEngine(inner, widths["features"], widths["draft_hidden"])
 
 
 def _torch_engine(manifest: Manifest, role: str) -> Engine:

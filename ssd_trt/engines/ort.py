@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
-from ssd_trt.engines.base import GRAPH_OUTPUT_FEATURES, EngineSpec, all_indices, check_room, past_names, \
+from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_OUTPUT_FEATURES, EngineSpec, all_indices, check_room, past_names, \
     present_names
 from ssd_trt.engines.kv_cache import KVCache
 
@@ -56,8 +56,13 @@ class OrtEngine:
         self._ort = ort
         self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
         # a target exported for a feature draft also returns its hidden states: kept per step, for the draft
-        self.has_features = GRAPH_OUTPUT_FEATURES in {output.name for output in self.session.get_outputs()}
+        outputs = {output.name for output in self.session.get_outputs()}
+        self.has_features = GRAPH_OUTPUT_FEATURES in outputs
         self.last_features: np.ndarray | None = None
+        # a feature draft's graph (EAGLE-3) takes per-token inputs beyond the step graph's and returns its hidden
+        self.extra_inputs = tuple(i.name for i in self.session.get_inputs() if i.name in EAGLE3_INPUTS)
+        self.has_hidden = EAGLE3_OUTPUT_HIDDEN in outputs
+        self.last_hidden: np.ndarray | None = None
         self.cache: KVCache | None = None
         self._cache_values: list = []
         self.warm_up()
@@ -65,8 +70,17 @@ class OrtEngine:
     def warm_up(self) -> None:
         """One tiny step so the first request does not pay ORT's first-run allocations (TTFT)."""
         self.reset(1)
-        self.forward(np.zeros((1, 2), dtype=np.int64), np.arange(2)[None])
+        self.forward(np.zeros((1, 2), dtype=np.int64), np.arange(2)[None], extra=self._zero_extra(1, 2))
         self.cache = None
+
+    def _zero_extra(self, batch: int, tokens: int) -> dict[str, np.ndarray] | None:
+        """Placeholder extra inputs of a feature draft's graph (every token carrying zero target features)."""
+        if not self.extra_inputs:
+            return None
+        widths = {i.name: i.shape[-1] for i in self.session.get_inputs()}
+        return {"features": np.zeros((batch, tokens, widths["features"]), dtype=np.float32),
+                "draft_hidden": np.zeros((batch, tokens, widths["draft_hidden"]), dtype=np.float32),
+                "from_target": np.ones((batch, tokens), dtype=bool)}
 
     def reset(self, batch: int) -> None:
         self.cache = KVCache(self._cache_spec, batch)
@@ -81,24 +95,32 @@ class OrtEngine:
         return self.cache.lengths.copy()
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
-                logit_indices: np.ndarray | None = None) -> np.ndarray:
+                logit_indices: np.ndarray | None = None,
+                extra: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        """``extra``: a feature draft's per-token inputs [B,T,...] (``EAGLE3_INPUTS``; engines/feature_draft.py)."""
         batch, num_new = input_ids.shape
+        if set(extra or ()) != set(self.extra_inputs):
+            raise ValueError(f"{self.spec.name}: the graph takes extra inputs {list(self.extra_inputs)}, got "
+                             f"{sorted(extra or ())}")
         if batch != self.cache.batch:
             raise ValueError(f"{self.spec.name}: batch {batch} does not match the reset batch {self.cache.batch}")
         check_room(self.spec, int(self.cache.lengths.max()), num_new)
         if not (self.pad_single_rows and num_new == 1):
-            return self._step(input_ids, position_ids, tree_mask, logit_indices)
+            return self._step(input_ids, position_ids, tree_mask, logit_indices, extra)
         # the discarded second row repeats the first (any valid token and position would do: no real
         # row attends to it) and its KV slot is rolled back at once
         logits = self._step(np.repeat(input_ids, 2, axis=1), np.repeat(position_ids, 2, axis=1), None,
-                            all_indices(batch, 1) if logit_indices is None else logit_indices)
+                            all_indices(batch, 1) if logit_indices is None else logit_indices,
+                            None if extra is None else {k: np.repeat(v, 2, axis=1) for k, v in extra.items()})
         self.cache.rollback(self.cache.lengths - 1)
         if self.last_features is not None:
             self.last_features = self.last_features[:, :1]
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[:, :1]
         return logits
 
     def _step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None,
-              logit_indices: np.ndarray | None) -> np.ndarray:
+              logit_indices: np.ndarray | None, extra: Mapping[str, np.ndarray] | None) -> np.ndarray:
         cache = self.cache
         batch, num_new = input_ids.shape
         if cache.reserve(num_new):
@@ -111,9 +133,12 @@ class OrtEngine:
         binding.bind_cpu_input("cache_lengths", cache.lengths)
         binding.bind_cpu_input("logit_indices", np.ascontiguousarray(
             all_indices(batch, num_new) if logit_indices is None else logit_indices, dtype=np.int64))
+        for name, value in (extra or {}).items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
         binding.bind_output("logits")  # first bound output: get_outputs()[0]
-        if self.has_features:
-            binding.bind_output(GRAPH_OUTPUT_FEATURES)                  # second: get_outputs()[1]
+        extra_output = GRAPH_OUTPUT_FEATURES if self.has_features else EAGLE3_OUTPUT_HIDDEN if self.has_hidden else None
+        if extra_output:
+            binding.bind_output(extra_output)                           # second: get_outputs()[1]
         for layer in range(self.spec.num_layers):
             for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
                 value = self._cache_values[2 * layer + kind]
@@ -123,6 +148,7 @@ class OrtEngine:
         cache.lengths += num_new
         outputs = binding.get_outputs()
         self.last_features = outputs[1].numpy() if self.has_features else None
+        self.last_hidden = outputs[1].numpy() if self.has_hidden else None
         return outputs[0].numpy()
 
     def rollback(self, lengths: np.ndarray) -> None:

@@ -16,16 +16,17 @@ import torch
 from plugins.tree_attention.reference import pack_tree_mask
 from ssd_trt.engines.base import GRAPH_INPUTS
 from ssd_trt.export.onnx_export import io_names
+from ssd_trt.models.config import DecoderConfig
 from ssd_trt.models.decoder import Decoder
 
 ATOL, RTOL = 1e-2, 1e-3   # fp32 logits of a 30-layer model differ ~1e-4 relative by summation order
 
 
-def sample_feeds(model: Decoder, batch: int, num_new: int, seed: int, capacity: int | None = None,
+def sample_feeds(c: DecoderConfig, batch: int, num_new: int, seed: int, capacity: int | None = None,
                  cache_dtype=np.float32) -> OrderedDict:
-    """One step's inputs; ``capacity`` fixes the caches' length (a graph with a static capacity)."""
+    """One step's inputs for a model of config ``c``; ``capacity`` fixes the caches' length (a graph with a
+    static capacity)."""
     rng = np.random.default_rng(seed)
-    c = model.config
     capacity = capacity or 16 + num_new
     lengths = rng.integers(0, capacity - num_new + 1, size=batch).astype(np.int32)
     mask = np.tril(rng.random((batch, num_new, num_new)) < 0.6) | np.eye(num_new, dtype=bool)
@@ -98,7 +99,7 @@ def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple
     options.log_severity_level = 3     # errors only: TensorScatter notes each copy of a cache it cannot alias on CPU
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    feeds = [sample_feeds(model, batch, num_new, seed, capacity, cache_dtype)
+    feeds = [sample_feeds(model.config, batch, num_new, seed, capacity, cache_dtype)
              for seed, (batch, num_new) in enumerate(shapes)]
     runners = [_torch_runner(model, feeds[0]), OnnxrtRunner(lambda: session)]
     results = Comparator.run(runners, data_loader=feeds)
@@ -131,3 +132,36 @@ def _compare_func(atol: float):
     if hasattr(comparator, "SimpleCompareFunc"):
         return comparator.SimpleCompareFunc(atol=atol, rtol=RTOL, infinities_compare_equal=True)
     return comparator.CompareFunc.simple(atol=atol, rtol=RTOL, infinities_compare_equal=True)
+
+
+def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]], atol: float = ATOL) -> dict:
+    """A feature draft's step graph (``onnx_export.trace_eagle3_step_graph``) against its torch module: random
+    steps of each (batch, new tokens) shape over a filled cache, every token carrying a random target feature or
+    a random draft hidden; logits (finite ones; the -inf off the draft vocabulary compared exactly), the cache
+    and the output hidden."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    c = model.config.layer
+    max_abs, same_infinities = 0.0, True
+    for seed, (batch, num_new) in enumerate(shapes):
+        feeds = dict(sample_feeds(c, batch, num_new, seed))
+        rng = np.random.default_rng(1000 + seed)
+        feeds.update(features=rng.standard_normal((batch, num_new, 3 * c.hidden_size)).astype(np.float32),
+                     draft_hidden=rng.standard_normal((batch, num_new, c.hidden_size)).astype(np.float32),
+                     from_target=rng.random((batch, num_new)) < 0.5)
+        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        with torch.no_grad():
+            t = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in feeds.items()}
+            logits, hidden, keys, values = model(t["input_ids"], t["position_ids"], t["tree_mask"], t["cache_lengths"],
+                                                 t["features"], t["draft_hidden"], t["from_target"], t["past_key_0"],
+                                                 t["past_value_0"], logit_indices=t["logit_indices"])
+        for name, want in (("logits", logits), ("present_key_0", keys), ("present_value_0", values),
+                           ("hidden", hidden)):
+            want = want.numpy()
+            finite = np.isfinite(want)
+            same_infinities &= bool(np.array_equal(want[~finite], got[name][~finite]))
+            max_abs = max(max_abs, float(np.abs(want[finite] - got[name][finite]).max()))
+    return {"tool": "onnxruntime vs torch (eagle3 step graph)", "shapes": [list(s) for s in shapes], "atol": atol,
+            "max_abs_error": max_abs, "passed": bool(max_abs <= atol and same_infinities)}

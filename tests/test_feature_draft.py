@@ -1,0 +1,265 @@
+"""A feature draft (EAGLE-3) in SD and SSD (issue 19, items 1-3): built by the real build, run through real
+ONNX Runtime engines.
+
+A tiny random-weight target (3 layers) is paired with an EAGLE-3 head in the released layout reading its
+layers 0, 1, 2. Checked: greedy SD chains, SD trees and SSD are token-identical to AR; the draft's proposals
+in SD are exactly what an independent torch computation gives when every verified token carries the
+target's features (and a planted off-by-one in the bookkeeping is caught); in SSD every token that carries
+the target's features carries those of its verified predecessor, the others carry the draft's own, and no
+token falls back to an ancestor's feature when the draft drafted everything (jit backup); sampling through
+the engines follows the target's distribution (TV against the exact one, with the noise floor).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+import ssd_trt
+from plugins.tree_attention.reference import causal_tree_mask
+from ssd_trt.decoding import speculative as speculative_module
+from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.engines.feature_draft import FeatureDraftEngine
+from ssd_trt.runtime import RuntimeOptions
+from tests.helpers import random_decoder, save_hf_checkpoint, tiny_config, write_recipe
+
+PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 3], [1, 42, 42, 42, 42, 8, 19], [1, 250], [1, 17, 18, 19, 20, 21, 22],
+           [1, 64, 128, 192], [1, 77, 3, 77, 3, 77], [1, 11]]
+GREEDY = SamplingParams(max_new_tokens=32, stop_on_eos=False)
+HIDDEN, DRAFT_VOCAB, FEATURE_LAYERS = 64, 128, (0, 1, 2)
+
+
+def write_feature_head(directory, target, seed: int = 7):
+    """An EAGLE-3 head for ``target`` in the released layout, random weights; draft vocabulary: even token ids."""
+    from ssd_trt.models.eagle3 import Eagle3Config, released_shapes
+    c = target.config
+    hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+          "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+          "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+          "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size,
+          "draft_vocab_size": DRAFT_VOCAB, "max_position_embeddings": c.max_position_embeddings,
+          "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(FEATURE_LAYERS)}}
+    config = Eagle3Config.from_hf_dict(hf, c.num_layers)
+    rng = np.random.default_rng(seed)
+    state = {}
+    for name, shape in released_shapes(config).items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shape)
+        elif name not in ("d2t", "t2d"):
+            state[name] = torch.from_numpy(rng.standard_normal(shape) / math.sqrt(shape[-1])).float()
+    target_ids = torch.arange(DRAFT_VOCAB) * 2
+    state["d2t"] = target_ids - torch.arange(DRAFT_VOCAB)
+    state["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool)
+    state["t2d"][target_ids] = True
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(hf))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def feature_pair(tmp_path_factory):
+    """(build dir, torch target, torch draft) of a tiny target with an EAGLE-3 head, built for max batch 64."""
+    from ssd_trt.build import build
+    from ssd_trt.models.eagle3 import load_eagle3_checkpoint
+    root = tmp_path_factory.mktemp("feature")
+    target = random_decoder(tiny_config(layers=3), seed=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.5)     # several tokens carry mass, so sampling filters bite (TV test)
+    head = write_feature_head(root / "head", target)
+    recipe = write_recipe(root / "feature.yaml", save_hf_checkpoint(target, root / "target"), head,
+                          name="tiny-feature", max_batch=64)
+    data = yaml.safe_load(recipe.read_text())
+    data["draft"]["kind"] = "eagle3"
+    recipe.write_text(yaml.safe_dump(data))
+    draft = load_eagle3_checkpoint(head, 3, target.embed_tokens.weight.detach()).eval()
+    return build(recipe, root=root), target, draft
+
+
+def test_the_build_records_a_feature_pair(feature_pair):
+    from ssd_trt.manifest import read_manifest
+    build, _, _ = feature_pair
+    manifest = read_manifest(build)
+    assert manifest.recipe.draft.kind == "eagle3"
+    assert manifest.validation["draft"]["passed"] and manifest.validation["target"]["passed"]
+    assert manifest.tensorrt.status == "skipped" and "ONNX Runtime only" in manifest.tensorrt.reason
+    gen = ssd_trt.load(build)
+    assert gen.engine("target").has_features
+    assert isinstance(gen.engine("draft"), FeatureDraftEngine)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mode,options", [
+    ("sd", RuntimeOptions(draft_len=3)), ("sd", RuntimeOptions(draft_len=2, tree_widths=(2, 2, 1))),
+    ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8})),
+    ("ssd", RuntimeOptions(draft_len=3, ssd={"backup": "ngram", "fan_out_budget": 8}))],
+    ids=["sd-chain", "sd-tree", "ssd-jit", "ssd-ngram"])
+def test_greedy_with_a_feature_draft_equals_autoregressive(feature_pair, batch, mode, options):
+    build, _, _ = feature_pair
+    gen = ssd_trt.load(build, options)
+    rounds = []
+    for first in range(0, len(PROMPTS), batch):
+        prompts = PROMPTS[first:first + batch]
+        reference = [r.token_ids for r in gen.generate_ids(prompts, GREEDY, mode="ar")]
+        results = gen.generate_ids(prompts, GREEDY, mode=mode)
+        assert [r.token_ids for r in results] == reference
+        rounds.append(results[0].stats["rounds"])
+    assert min(rounds) > 0                   # the draft proposed in every request (a random head: few accepted)
+
+
+def reference_target_features(target, ids: list[int]) -> np.ndarray:
+    """The torch target's features (inputs of FEATURE_LAYERS) of every token of ``ids`` [T, 3H]."""
+    from ssd_trt.models.decoder import with_target_features
+    model = with_target_features(random_decoder(target.config, seed=0), FEATURE_LAYERS)
+    model.load_state_dict(target.state_dict(), strict=False)
+    length = len(ids)
+    caches = model.empty_caches(1, length)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), torch.arange(length)[None], torch.from_numpy(causal_tree_mask(1, length)),
+                    torch.zeros(1, dtype=torch.int32), *caches)
+    return out[-1][0].numpy()
+
+
+def reference_proposals(target, draft, committed: list[int], count: int) -> list[int]:
+    """What the EAGLE-3 draft proposes behind ``committed`` when every committed token carries the target's
+    features of its predecessor (the first none) and each drafted token the draft's output for the one before."""
+    features = reference_target_features(target, committed)
+    length = len(committed)
+    carried = np.zeros((length, features.shape[1]), dtype=np.float32)
+    carried[1:] = features[:-1]
+    keys, values = draft.empty_caches(1, length + count)
+    proposals = []
+    with torch.no_grad():
+        logits, hidden, keys, values = draft(
+            torch.tensor([committed]), torch.arange(length)[None], torch.from_numpy(causal_tree_mask(1, length)),
+            torch.zeros(1, dtype=torch.int32), torch.from_numpy(carried)[None], torch.zeros(1, length, HIDDEN),
+            torch.ones(1, length, dtype=torch.bool), keys, values)
+        for step in range(count):
+            proposals.append(int(logits[0, -1].argmax()))
+            if step + 1 == count:
+                break
+            position = length + step
+            logits, hidden, keys, values = draft(
+                torch.tensor([[proposals[-1]]]), torch.tensor([[position]]),
+                torch.from_numpy(causal_tree_mask(1, 1)), torch.tensor([position], dtype=torch.int32),
+                torch.zeros(1, 1, features.shape[1]), hidden[:, -1:], torch.zeros(1, 1, dtype=torch.bool), keys, values)
+    return proposals
+
+
+def record_sd_rounds(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """(committed tokens, the draft's K proposals) of every SD chain round (batch 1)."""
+    rounds = []
+    original = speculative_module.draft_chain
+
+    def recording(draft, pending, num_tokens, params, rng):
+        inner = draft.inner if isinstance(draft, FeatureDraftEngine) else draft
+        committed = [int(t) for t in draft._slots[0, :inner.lengths[0]]] + list(pending[0])
+        tokens, dists = original(draft, pending, num_tokens, params, rng)
+        rounds.append((committed, [int(t) for t in tokens[0]]))
+        return tokens, dists
+
+    monkeypatch.setattr(speculative_module, "draft_chain", recording)
+    return rounds
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["as-built", "planted-off-by-one"])
+def test_sd_proposals_are_the_drafts_with_the_targets_features_of_verified_tokens(feature_pair, monkeypatch, planted):
+    """Every SD round's K proposals equal the independent torch computation (all verified tokens carry the
+    target's features of their predecessor). Planted: verified tokens carry their own position's features
+    instead (off by one), and the comparison must fail."""
+    build, target, draft = feature_pair
+    if planted:
+        original = FeatureDraftEngine.receive_target_features
+        monkeypatch.setattr(FeatureDraftEngine, "receive_target_features",
+                            lambda self, row, first, features: original(self, row, first,
+                                                                        np.roll(features, -1, axis=0)))
+    rounds = record_sd_rounds(monkeypatch)
+    gen = ssd_trt.load(build, RuntimeOptions(draft_len=3))
+    for prompt in PROMPTS[:4]:
+        gen.generate_ids([prompt], SamplingParams(max_new_tokens=24, stop_on_eos=False), mode="sd")
+    assert len(rounds) > 20
+    mismatched = [r for r in rounds if reference_proposals(target, draft, r[0], 3) != r[1]]
+    if planted:
+        assert len(mismatched) > len(rounds) // 4, "an off-by-one in the features went unnoticed"
+    else:
+        assert not mismatched, f"{len(mismatched)} of {len(rounds)} rounds differ, first: {mismatched[0]}"
+
+
+def test_ssd_feeds_target_features_for_verified_tokens_and_its_own_otherwise(feature_pair, monkeypatch):
+    """Every token of every SSD draft step: carrying the target's features means carrying exactly the torch
+    target's features of its predecessor on the committed sequence; both kinds occur; with the jit backup every
+    draft-featured token finds its parent's output (no fallback), with prompt lookup some cannot."""
+    from ssd_trt.engines.ort import OrtEngine
+    build, target, _ = feature_pair
+    steps = []
+    original = OrtEngine.forward
+
+    def recording(self, input_ids, position_ids, tree_mask=None, logit_indices=None, extra=None):
+        if extra is not None:
+            steps.append((position_ids.copy(), {k: v.copy() for k, v in extra.items()}))
+        return original(self, input_ids, position_ids, tree_mask, logit_indices, extra)
+
+    monkeypatch.setattr(OrtEngine, "forward", recording)
+    for backup, fallbacks_expected in (("jit", False), ("ngram", True)):
+        gen = ssd_trt.load(build, RuntimeOptions(draft_len=2, ssd={"backup": backup, "fan_out_budget": 6}))
+        gen.engine("draft")                  # opened (and warmed up with a placeholder step) before recording
+        fallbacks = 0
+        for prompt in PROMPTS[:4]:
+            steps.clear()
+            [result] = gen.generate_ids([prompt], GREEDY, mode="ssd")
+            fallbacks += gen.engine("draft").fallbacks
+            truth = reference_target_features(target, prompt + result.token_ids)
+            kinds = set()
+            for positions, extra in steps:
+                for position, flag, feature in zip(positions[0], extra["from_target"][0], extra["features"][0]):
+                    kinds.add(bool(flag))
+                    if flag and position > 0:
+                        # its predecessor's; a fallback (prompt lookup ran no network) carries an ancestor's
+                        errors = np.abs(feature[None] - truth[:position]).max(axis=1)
+                        nearest = errors[-1] if not fallbacks_expected else errors.min()
+                        assert nearest < 1e-3, (backup, position)
+            assert kinds == {True, False}
+        assert (fallbacks > 0) == fallbacks_expected, (backup, fallbacks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,options", [("sd", RuntimeOptions(draft_len=3)),
+                                          ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8}))])
+def test_sampling_with_a_feature_draft_follows_the_target_distribution(feature_pair, mode, options):
+    """The first two tokens at T=1 top-k 50 through the engines vs the exact target distribution (the machinery
+    and thresholds of tests/test_sampling_lossless_ort.py); the random head's flat q overlaps the target's p
+    enough that proposals are accepted and rejected."""
+    from tests import test_sampling_lossless_ort as tv
+    build, target, _ = feature_pair
+    params = tv.SETTINGS["t1-k50"]
+    joint = tv.exact_tokens(target, SamplingParams(max_new_tokens=2, **params))
+    assert len(joint) > 100
+    samples, stats = tv.draw(build, mode, params, options)
+    for what, distance, threshold in tv.check(joint, samples):
+        assert distance < threshold, f"{mode} {what}: TV {distance:.4f} >= {threshold:.4f}"
+    assert 0.05 < np.mean([s["mean_accepted"] for s in stats]) < options.draft_len
+
+
+def test_a_feature_draft_refuses_backends_it_does_not_run_on(feature_pair):
+    from ssd_trt.errors import ArtifactError
+    build, _, _ = feature_pair
+    with pytest.raises(ArtifactError, match="ONNX Runtime only"):
+        ssd_trt.load(build, RuntimeOptions(backend="torch")).engine("draft")
+
+
+def test_a_recipe_refuses_an_eagle3_draft_with_block_weights(tmp_path):
+    from ssd_trt.errors import RecipeError
+    from ssd_trt.recipe import load_recipe
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle3, weights: int8}\n")
+    with pytest.raises(RecipeError, match="eagle3 draft keeps float weights"):
+        load_recipe(path)
+    path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle4}\n")
+    with pytest.raises(RecipeError, match="draft.kind"):
+        load_recipe(path)
+
