@@ -194,7 +194,12 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
     for role in ROLES:
         step(f"export {role}")
         if role == "draft" and feature_draft:     # ONNX Runtime only for now: no TensorRT flavours
-            paths = save_flavours(trace_eagle3_step_graph(models[role]), out / role, datacenter=False)
+            blocks = model_block_weights(recipe.draft.weights, sources[role], models[role],
+                                         keep_8bit=recipe.draft.activations == "int8")
+            traced = trace_eagle3_step_graph(models[role])
+            if blocks:
+                traced, quantization[role] = apply_block_weights(traced, blocks)
+            paths = save_flavours(traced, out / role, datacenter=False)
             artifacts += [{"role": role, "flavour": flavour, **artifact_entry(out, path)} for flavour, path in paths.items()]
             bar.update()
             continue
@@ -347,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         built = q and any(kind.endswith("(built)") for kind in q["kinds"])
         weights = (f"; {q['layers']} layers as {', '.join(q['kinds'])} blocks"
                    + (" (the parity above is of the float weights, before quantization)" if built else "")) if q else ""
-        print(f"  {role}: {parity}{weights}; ONNX vs torch (Polygraphy, {len(v['shapes'])} step shapes): "
+        print(f"  {role}: {parity}{weights}; ONNX vs torch ({len(v['shapes'])} step shapes): "
               f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}")
     print(f"  tensorrt: {manifest.tensorrt.status}: {manifest.tensorrt.reason}")
     for plan in manifest.tensorrt.plans:

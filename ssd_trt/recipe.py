@@ -54,8 +54,6 @@ class DraftSpec(ModelSpec):
     @model_validator(mode="after")
     def _feature_draft_fits(self) -> "DraftSpec":
         if self.kind == "eagle3":
-            if self.weights != "float":
-                raise ValueError(f"an eagle3 draft keeps float weights (weights: float), got weights: {self.weights}")
             if self.tokenizer not in (None, "target"):
                 raise ValueError("an eagle3 draft reads the target's embedding: its tokenizer is the target's "
                                  "(tokenizer: target, or leave it out)")

@@ -242,7 +242,7 @@ def test_sampling_with_a_feature_draft_follows_the_target_distribution(feature_p
     samples, stats = tv.draw(build, mode, params, options)
     for what, distance, threshold in tv.check(joint, samples):
         assert distance < threshold, f"{mode} {what}: TV {distance:.4f} >= {threshold:.4f}"
-    assert 0.05 < np.mean([s["mean_accepted"] for s in stats]) < options.draft_len
+    assert 0.02 < np.mean([s["mean_accepted"] for s in stats]) < options.draft_len   # ~0.05: thousands of rounds
 
 
 def test_a_feature_draft_refuses_backends_it_does_not_run_on(feature_pair):
@@ -252,12 +252,15 @@ def test_a_feature_draft_refuses_backends_it_does_not_run_on(feature_pair):
         ssd_trt.load(build, RuntimeOptions(backend="torch")).engine("draft")
 
 
-def test_a_recipe_refuses_an_eagle3_draft_with_block_weights(tmp_path):
+def test_a_recipe_refuses_an_eagle3_draft_it_cannot_build(tmp_path):
     from ssd_trt.errors import RecipeError
     from ssd_trt.recipe import load_recipe
     path = tmp_path / "r.yaml"
-    path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle3, weights: int8}\n")
-    with pytest.raises(RecipeError, match="eagle3 draft keeps float weights"):
+    path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle3, tokenizer: other}\n")
+    with pytest.raises(RecipeError, match="its tokenizer is the target's"):
+        load_recipe(path)
+    path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle3}\nengine: {backend: trt}\n")
+    with pytest.raises(RecipeError, match="ONNX Runtime only"):
         load_recipe(path)
     path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle4}\n")
     with pytest.raises(RecipeError, match="draft.kind"):

@@ -201,3 +201,55 @@ def test_the_check_catches_the_reference_bias_bug(monkeypatch, strategy):
     samples, _ = draw(run_sd() if strategy == "sd" else run_ssd(backup="jit"), 1.0, seed=0)
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
     assert tv > 1.5 * floor + 0.005, f"planted bias went unnoticed: TV {tv:.4f}, floor {floor:.4f}"
+
+
+def test_the_check_catches_saguaro_sampling_verified_against_the_unscaled_q(monkeypatch):
+    """Negative control (issue 19): with C < 1 the tokens are drawn from sigma_{F,C}(q); verifying them against
+    the plain q they were not drawn from must show as a bias."""
+    from ssd_trt.decoding.saguaro import DraftWorker
+
+    def unscaled(self, logits, fan_out):
+        q = filter_logits(logits, self.params)
+        return q.boosted(np.asarray(fan_out) + 1, self.config.saguaro_c).sample(self.rng), q
+
+    monkeypatch.setattr(DraftWorker, "_draw", unscaled)
+    exact = exact_distribution(TARGET, 1.0)
+    samples, _ = draw(run_ssd(saguaro_c=0.2, backup="jit"), 1.0, seed=0)
+    tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
+    assert tv > 1.5 * floor + 0.005, f"planted bias went unnoticed: TV {tv:.4f}, floor {floor:.4f}"
+
+
+def shuffled_cache(pair_q_with_tokens: bool):
+    """DraftWorker.speculate whose cache keys every branch's K tokens under the next branch's outcome (k, t*);
+    with ``pair_q_with_tokens`` False the tokens also get another branch's distributions."""
+    from ssd_trt.decoding.saguaro import DraftWorker
+    original = DraftWorker.speculate
+
+    def speculate(self, bonus, spec, shapes):
+        cache = original(self, bonus, spec, shapes)
+        keys = sorted(cache.entries)
+        values = [cache.entries[key] for key in keys]
+        moved = values[1:] + values[:1]                     # each key gets its neighbour's branch
+        if not pair_q_with_tokens:
+            moved = [(tokens, values[(i + 2) % len(values)][1]) for i, (tokens, _) in enumerate(moved)]
+        cache.entries = dict(zip(keys, moved))
+        return cache
+    return speculate
+
+
+@pytest.mark.parametrize("pair_q_with_tokens", [True, False], ids=["wrong key", "wrong key and q"])
+def test_a_cache_keyed_on_the_wrong_outcome(monkeypatch, pair_q_with_tokens):
+    """Negative control (issue 19). A cache entry looked up under the wrong outcome (k, t*) is a proposal
+    drafted behind another prefix: verification with the distribution its tokens were drawn from is still
+    exact (speculative sampling is lossless for any proposal q), so only the hit rate suffers. Served with
+    another branch's q, the tokens are verified against a distribution they were not drawn from: biased."""
+    from ssd_trt.decoding.saguaro import DraftWorker
+    monkeypatch.setattr(DraftWorker, "speculate", shuffled_cache(pair_q_with_tokens))
+    exact = exact_distribution(TARGET, 1.0)
+    samples, stats = draw(run_ssd(backup="jit", fan_out_budget=6), 1.0, seed=0)
+    tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
+    assert all(0 < s["cache_hit_rate"] < 1 for s in stats)
+    if pair_q_with_tokens:
+        assert tv < 1.5 * floor + 0.005, f"TV {tv:.4f} exceeds the noise-floor threshold ({floor:.4f})"
+    else:
+        assert tv > 1.5 * floor + 0.005, f"planted bias went unnoticed: TV {tv:.4f}, floor {floor:.4f}"

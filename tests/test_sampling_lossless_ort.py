@@ -119,11 +119,12 @@ def test_ssd_cache_hits_follow_the_target_distribution_through_onnx_runtime(pair
 
 
 @pytest.mark.slow
-def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch):
+@pytest.mark.parametrize("mode,options", [CASES[1], CASES[2]], ids=["sd", "ssd-jit"])
+def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch, mode, options):
     build, target = pair
     params = SETTINGS["t0.7-p0.9"]     # at T=1 top-k 50 the 2,500-outcome noise floor hides a bias this size
     monkeypatch.setattr(rounds_module, "verify_chain", planted_reference_bug)
     joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **params))
-    samples, _ = draw(build, "sd", params, RuntimeOptions(draft_len=3))
+    samples, _ = draw(build, mode, params, options)
     failed = [(what, tv, threshold) for what, tv, threshold in check(joint, samples) if tv >= threshold]
     assert failed, f"planted bias went unnoticed: {check(joint, samples)}"

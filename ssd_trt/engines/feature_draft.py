@@ -70,7 +70,7 @@ class FeatureDraftEngine:
         self._slots = np.zeros((0, self.spec.max_context), dtype=np.int64)
         self._target = np.zeros((0, self.spec.max_context, feature_width), dtype=np.float32)
         self._known = np.zeros(0, dtype=np.int64)              # positions 0..known-1 have the target's features
-        self._memo: list[dict[tuple[int, tuple[int, ...]], np.ndarray]] = []
+        self._memo: list[dict[tuple[int, bytes], np.ndarray]] = []
 
     def reset(self, batch: int) -> None:
         self.inner.reset(batch)
@@ -167,7 +167,7 @@ class Path:
     offset: int
     tokens: np.ndarray
 
-    def key(self, position: int) -> tuple[int, tuple[int, ...]]:
+    def key(self, position: int) -> tuple[int, bytes]:
         """The key of the token at ``position`` on this path: the position and the window of tokens up to it."""
         first = max(0, position + 1 - PATH_WINDOW - self.offset)
-        return position, tuple(int(t) for t in self.tokens[first:position + 1 - self.offset])
+        return position, self.tokens[first:position + 1 - self.offset].tobytes()

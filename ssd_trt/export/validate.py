@@ -142,6 +142,7 @@ def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]],
     import onnxruntime as ort
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")   # the graph, as above
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     c = model.config.layer
     max_abs, same_infinities = 0.0, True
