@@ -108,7 +108,7 @@ def stale_reason(recipe_path: Path, root: Path | None = None) -> str | None:
 def _missing_plans(recipe: Recipe, manifest) -> str | None:
     """Why a build made without TensorRT for RTX is stale once it is installed (its plans need no GPU)."""
     from ssd_trt.engines.editions import RTX, editions_for
-    if recipe.engine.backend == "ort" or recipe.draft.kind == "eagle3" or RTX not in editions_for(recipe.engine.tensorrt) or manifest.tensorrt.plans:
+    if recipe.engine.backend == "ort" or RTX not in editions_for(recipe.engine.tensorrt) or manifest.tensorrt.plans:
         return None
     if RTX.installed():
         return (f"TensorRT for RTX ({RTX.module}) is installed now and the build has no plans "
@@ -193,28 +193,19 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         bar.update()
     for role in ROLES:
         step(f"export {role}")
-        if role == "draft" and feature_draft:     # ONNX Runtime only for now: no TensorRT flavours
-            blocks = model_block_weights(recipe.draft.weights, sources[role], models[role],
-                                         keep_8bit=recipe.draft.activations == "int8")
-            traced = trace_eagle3_step_graph(models[role])
-            if blocks:
-                traced, quantization[role] = apply_block_weights(traced, blocks)
-            paths = save_flavours(traced, out / role, datacenter=False)
-            artifacts += [{"role": role, "flavour": flavour, **artifact_entry(out, path)} for flavour, path in paths.items()]
-            bar.update()
-            continue
+        # a feature draft (EAGLE-3) has its own step graph: extra per-token inputs and its hidden out
+        trace = trace_eagle3_step_graph if role == "draft" and feature_draft else trace_step_graph
         blocks = model_block_weights(getattr(recipe, role).weights, sources[role], models[role],
                                      keep_8bit=getattr(recipe, role).activations == "int8")
-        traced = trace_step_graph(models[role])
+        traced = trace(models[role])
         if blocks:
             traced, quantization[role] = apply_block_weights(traced, blocks)
-        precision = recipe.engine.trt_precision
-        editions = () if feature_draft else editions_for(recipe.engine.tensorrt)
-        trt_traced = None if precision == "fp32" else trace_step_graph(half_copy(models[role], precision))
+        precision, editions = recipe.engine.trt_precision, editions_for(recipe.engine.tensorrt)
+        trt_traced = None if precision == "fp32" else trace(half_copy(models[role], precision))
         native = None
         if RTX in editions:   # plain weights in the engine precision (block weights are ONNX Runtime's)
-            capacity, vocab = recipe.engine.max_context, models[role].config.vocab_size
-            plain = trace_step_graph(models[role]) if blocks else traced
+            capacity, vocab = recipe.engine.max_context, decoder_config(models[role]).vocab_size
+            plain = trace(models[role]) if blocks else traced
             native_twins[role] = native_flavour(plain, min(capacity, TWIN_CAPACITY), vocab)
             native = native_flavour(plain if trt_traced is None else trt_traced, capacity, vocab)
         paths = save_flavours(traced, out / role, trt_traced, datacenter=DATACENTER in editions, native=native)
@@ -223,20 +214,17 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         bar.update()
     for role in ROLES:
         step(f"validate {role}")
-        validation[role] = validate_eagle3_graph(models[role], out / role / "model.ort.onnx",
-                                                 [tuple(s) for s in recipe.validate_shapes]) \
-            if role == "draft" and feature_draft else validate_with_polygraphy(models[role], out / role / "model.ort.onnx",
-                                                    [tuple(s) for s in recipe.validate_shapes])
+        validate = validate_eagle3_graph if role == "draft" and feature_draft else validate_with_polygraphy
+        validation[role] = validate(models[role], out / role / "model.ort.onnx", [tuple(s) for s in recipe.validate_shapes])
         if not validation[role]["passed"]:
             raise SsdTrtError(f"{role} ONNX graph disagrees with the torch model "
                               f"(max abs error {validation[role]['max_abs_error']:.3g}); see {out}")
         if role in native_twins:
             validation[f"{role}_rtx"] = validate_native(models[role], native_twins.pop(role),
-                                                        out / role / "model.rtx.onnx", recipe)
+                                                        out / role / "model.rtx.onnx", recipe, validate)
         bar.update()
     step("tensorrt")
-    tensorrt = ({"status": "skipped", "reason": "an eagle3 (feature) draft runs on ONNX Runtime only for now",
-                 "plans": []} if feature_draft else maybe_build_engines(recipe, out))
+    tensorrt = maybe_build_engines(recipe, out)
     artifacts += tensorrt.pop("artifacts", [])
     bar.update()
     manifest = Manifest(
@@ -280,7 +268,7 @@ def decoder_config(model):
 TWIN_CAPACITY = 64
 
 
-def validate_native(model, twin: onnx.ModelProto, saved: Path, recipe: Recipe) -> dict:
+def validate_native(model, twin: onnx.ModelProto, saved: Path, recipe: Recipe, validate) -> dict:
     """The rtx flavour (native attention) checked in ONNX Runtime against the torch model.
 
     Checked through its fp32 twin (the same rewrite of the fp32 trace, at a short static capacity) with the
@@ -291,14 +279,13 @@ def validate_native(model, twin: onnx.ModelProto, saved: Path, recipe: Recipe) -
     """
     import tempfile
 
-    from ssd_trt.export.validate import validate_with_polygraphy
     engine_graph = onnx.load(str(saved), load_external_data=False)
     same_nodes = [n.op_type for n in engine_graph.graph.node] == [n.op_type for n in twin.graph.node]
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "model.rtx.fp32.onnx"
         onnx.save_model(twin, path, save_as_external_data=True, location="weights.bin")
-        result = validate_with_polygraphy(model, path, [tuple(s) for s in recipe.validate_shapes],
-                                          capacity=min(recipe.engine.max_context, TWIN_CAPACITY))
+        result = validate(model, path, [tuple(s) for s in recipe.validate_shapes],
+                          capacity=min(recipe.engine.max_context, TWIN_CAPACITY))
     if not (result["passed"] and same_nodes):
         raise SsdTrtError(f"the TensorRT for RTX flavour {saved} is wrong for this model: its fp32 twin disagrees "
                           f"with the torch model in ONNX Runtime (max abs error {result['max_abs_error']:.3g})"

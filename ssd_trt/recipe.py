@@ -49,7 +49,7 @@ class DraftSpec(ModelSpec):
         "independent", description="independent: a small LM of its own (HF checkpoint or GGUF); eagle3: an EAGLE-3 "
                                    "head in the released layout (config.json + fc/midlayer/norm/lm_head/d2t/t2d; "
                                    "models/eagle3.py) that reads the target's features, on the target's tokenizer "
-                                   "and embedding (ONNX Runtime only for now)")
+                                   "and embedding")
 
     @model_validator(mode="after")
     def _feature_draft_fits(self) -> "DraftSpec":
@@ -119,8 +119,6 @@ class Recipe(BaseModel):
         if d.ssd_fan_out_budget < d.ssd_draft_len + 1:
             raise ValueError(f"decoding.ssd_fan_out_budget ({d.ssd_fan_out_budget}) must be at least "
                              f"decoding.ssd_draft_len + 1 ({d.ssd_draft_len + 1}): one guess per acceptance length")
-        if self.draft.kind == "eagle3" and e.backend == "trt":
-            raise ValueError("draft.kind eagle3 runs on ONNX Runtime only for now: set engine.backend to auto or ort")
         tree = ssd_tree_tokens(d.ssd_draft_len, d.ssd_fan_out_budget)
         if tree > e.max_tree_size:
             raise ValueError(f"an SSD tree step with decoding.ssd_draft_len {d.ssd_draft_len} and "

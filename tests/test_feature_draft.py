@@ -87,7 +87,7 @@ def test_the_build_records_a_feature_pair(feature_pair):
     manifest = read_manifest(build)
     assert manifest.recipe.draft.kind == "eagle3"
     assert manifest.validation["draft"]["passed"] and manifest.validation["target"]["passed"]
-    assert manifest.tensorrt.status == "skipped" and "ONNX Runtime only" in manifest.tensorrt.reason
+    assert manifest.tensorrt.status == "skipped"        # backend: ort (plans: tests/test_tensorrt_rtx.py)
     gen = ssd_trt.load(build)
     assert gen.engine("target").has_features
     assert isinstance(gen.engine("draft"), FeatureDraftEngine)
@@ -245,11 +245,16 @@ def test_sampling_with_a_feature_draft_follows_the_target_distribution(feature_p
     assert 0.02 < np.mean([s["mean_accepted"] for s in stats]) < options.draft_len   # ~0.05: thousands of rounds
 
 
-def test_a_feature_draft_refuses_backends_it_does_not_run_on(feature_pair):
-    from ssd_trt.errors import ArtifactError
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_the_gpu_runtime_runs_a_feature_pair(feature_pair, mode):
+    """The torch backend (DeviceStepEngine: what the GPU runtime and the TensorRT engine share; here on CPU, the
+    Triton kernel interpreted) returns the target's features and feeds the draft's: greedy output == AR's."""
+    from ssd_trt.engines.device_step import DeviceStepEngine
     build, _, _ = feature_pair
-    with pytest.raises(ArtifactError, match="ONNX Runtime only"):
-        ssd_trt.load(build, RuntimeOptions(backend="torch")).engine("draft")
+    reference = [r.token_ids for r in ssd_trt.load(build).generate_ids(PROMPTS[:2], GREEDY, mode="ar")]
+    gen = ssd_trt.load(build, RuntimeOptions(backend="torch", draft_len=2))
+    assert isinstance(gen.engine("draft").inner, DeviceStepEngine) and gen.engine("target").has_features
+    assert [r.token_ids for r in gen.generate_ids(PROMPTS[:2], GREEDY, mode=mode)] == reference
 
 
 def test_a_recipe_refuses_an_eagle3_draft_it_cannot_build(tmp_path):
@@ -258,9 +263,6 @@ def test_a_recipe_refuses_an_eagle3_draft_it_cannot_build(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle3, tokenizer: other}\n")
     with pytest.raises(RecipeError, match="its tokenizer is the target's"):
-        load_recipe(path)
-    path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle3}\nengine: {backend: trt}\n")
-    with pytest.raises(RecipeError, match="ONNX Runtime only"):
         load_recipe(path)
     path.write_text("name: x\ntarget: {source: t}\ndraft: {source: d, kind: eagle4}\n")
     with pytest.raises(RecipeError, match="draft.kind"):

@@ -186,6 +186,34 @@ def test_tiny_plans_are_built_and_recorded(tiny_rtx):
 
 
 @needs_rtx
+def test_a_feature_pair_gets_plans_for_both_models(tmp_path):
+    """Issue 19 on TensorRT for RTX: the target's plan returns its features, the EAGLE-3 draft's plan takes them
+    (and its own carried hidden, and which of the two each token carries) with every profile covering them."""
+    import yaml
+
+    from tests.test_feature_draft import write_feature_head
+    target = random_decoder(tiny_config(layers=3), seed=5)
+    head = write_feature_head(tmp_path / "head", target)
+    recipe = write_recipe(tmp_path / "f.yaml", save_hf_checkpoint(target, tmp_path / "target"), head,
+                          name="tiny-feature-rtx", backend="auto", tensorrt="rtx", compute_capabilities=["sm86"],
+                          trt_precision="fp16", max_context=128, max_tree_size=64)
+    data = yaml.safe_load(recipe.read_text())
+    data["draft"]["kind"] = "eagle3"
+    recipe.write_text(yaml.safe_dump(data))
+    root = build(recipe, root=tmp_path)
+    manifest = read_manifest(root)
+    assert manifest.tensorrt.status == "built" and {p.role for p in manifest.tensorrt.plans} == {"target", "draft"}
+    assert manifest.validation["draft_rtx"]["passed"] and manifest.validation["target_rtx"]["passed"]
+    target_graph = onnx.load(str(root / "target" / "model.rtx.onnx"), load_external_data=False)
+    assert target_graph.graph.output[-1].name == "features"
+    draft = manifest.tensorrt.plan("draft", "rtx")
+    for profile in draft.profiles:
+        low, _, high = profile.shapes["features"]
+        assert low[2] == high[2] == 3 * 64 and profile.shapes["from_target"][2] == high[:2]
+        assert profile.shapes["draft_hidden"][2] == high[:2] + [64]
+
+
+@needs_rtx
 def test_an_fp32_plan_marks_attention_decomposable(tmp_path, tiny_model):
     """TensorRT for RTX has no fp32 attention kernel: the build splits it (and says so in the manifest)."""
     (tmp_path / "target").mkdir()

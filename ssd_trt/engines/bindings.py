@@ -7,6 +7,8 @@ checked against the step-graph contract of :mod:`ssd_trt.engines.base`:
            cache_lengths [B] int32, logit_indices [B,L] int64, past_key_i / past_value_i [B,Hkv,S,D] float
   outputs  logits [B,L,V] float (L = T as the GPU runtime binds it), present_key_i / present_value_i [B,Hkv,S,D] (same type as past),
            optionally features [B,T,F] (a target's hidden states for a feature draft; F static)
+  a feature draft's graph (EAGLE-3) also takes features [B,T,F], draft_hidden [B,T,H], from_target [B,T] bool
+  and returns hidden [B,T,H] (H static)
 
 Each dimension has a *role* (batch, tokens, mask_words, capacity, kv_heads, head_dim, vocab). The
 runtime's shapes come from roles, never from the exporter's symbolic dimension names; kv_heads,
@@ -22,8 +24,8 @@ from pathlib import Path
 
 import onnx
 
-from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, past_names, \
-    present_names
+from ssd_trt.engines.base import EAGLE3_OUTPUT_HIDDEN, GRAPH_INPUTS, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, \
+    past_names, present_names
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.engines.profiles import Profile, mask_words
 
@@ -31,9 +33,10 @@ Dim = int | str  # a static size, or the name of a dynamic dimension ("?" when u
 
 _ONNX_TYPES = {
     onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
-    onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool",
 }
-_TRT_TYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32"}
+_TRT_TYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
+              "BOOL": "bool"}
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 
 _CACHE_ROLES = ("batch", "kv_heads", "capacity", "head_dim")
@@ -46,6 +49,10 @@ _FIXED_ROLES = {
     "logit_indices": (("batch", "tokens"), ("int64",)),
     GRAPH_OUTPUT_LOGITS: (("batch", "tokens", "vocab"), FLOAT_TYPES),
     GRAPH_OUTPUT_FEATURES: (("batch", "tokens", "feature_width"), FLOAT_TYPES),   # optional (a feature draft's)
+    # a feature draft's own graph (EAGLE-3): per-token inputs, its hidden out (engines/base.py EAGLE3_*)
+    "draft_hidden": (("batch", "tokens", "hidden_width"), FLOAT_TYPES),
+    "from_target": (("batch", "tokens"), ("bool",)),
+    EAGLE3_OUTPUT_HIDDEN: (("batch", "tokens", "hidden_width"), FLOAT_TYPES),
 }
 _CACHE_NAME = re.compile(r"^(past|present)_(key|value)_(\d+)$")
 
@@ -93,7 +100,7 @@ class BindingLayout:
         tensor = self.tensor(name)
         sizes = {"batch": batch, "tokens": tokens, "mask_words": mask_words(tokens), "capacity": capacity,
                  "kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab": self.vocab_size,
-                 "feature_width": tensor.shape[-1]}
+                 "feature_width": tensor.shape[-1], "hidden_width": tensor.shape[-1]}
         return tuple(sizes[role] for role in tensor.roles)
 
     def input_ranges(self, profile: Profile, limits: EngineLimits,
@@ -133,6 +140,8 @@ class BindingLayout:
             elif tensor.name not in _FIXED_ROLES:
                 raise ValueError(f"unexpected graph {'input' if tensor.is_input else 'output'} {tensor.name!r}: the "
                                  "runtime feeds only the step-graph I/O of ssd_trt/engines/base.py")
+        # "features" is a target's output, or (with draft_hidden) a feature draft's input
+        feature_draft = "draft_hidden" in by_name
         num_layers = len(layers.get(("past", "key"), ()))
         for group in (("past", "key"), ("past", "value"), ("present", "key"), ("present", "value")):
             if layers.get(group, set()) != set(range(num_layers)) or num_layers == 0:
@@ -145,7 +154,8 @@ class BindingLayout:
                 roles, allowed, should_be_input = _CACHE_ROLES, FLOAT_TYPES, match.group(1) == "past"
             else:
                 roles, allowed = _FIXED_ROLES[tensor.name]
-                should_be_input = tensor.name not in (GRAPH_OUTPUT_LOGITS, GRAPH_OUTPUT_FEATURES)
+                should_be_input = tensor.name not in (GRAPH_OUTPUT_LOGITS, EAGLE3_OUTPUT_HIDDEN) and \
+                    (tensor.name != GRAPH_OUTPUT_FEATURES or feature_draft)
             if tensor.is_input != should_be_input:
                 raise ValueError(f"{tensor.name} must be a graph {'input' if should_be_input else 'output'}")
             if len(tensor.shape) != len(roles):
@@ -157,7 +167,7 @@ class BindingLayout:
         facts = {}
         for tensor in placed:
             for role, dim in zip(tensor.roles, tensor.shape):
-                if role in ("kv_heads", "head_dim", "vocab", "feature_width"):
+                if role in ("kv_heads", "head_dim", "vocab", "feature_width", "hidden_width"):
                     if not isinstance(dim, int):
                         raise ValueError(f"{tensor.name}: the {role} dimension must be static, got {dim!r}")
                     if facts.setdefault(role, dim) != dim:

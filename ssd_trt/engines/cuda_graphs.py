@@ -127,13 +127,13 @@ class StepGraph:
 
 
 def pad_step(input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, lengths: np.ndarray,
-             rows: int, tokens: int) -> dict[str, np.ndarray]:
+             rows: int, tokens: int, extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Host inputs of one step padded to ``rows`` x ``tokens`` (a bucket), mask packed.
 
     ``tree_mask`` is bool [B,T,T]. Padded tokens repeat the row's last position and see only
     themselves; padded rows have length 0, token 0 and an identity mask. Real tokens see exactly what
     they saw before, so their outputs are unchanged (tests/test_trt_build.py checks this with the
-    reference attention).
+    reference attention). ``extra`` (a feature draft's per-token inputs [B,T,...]) is zero-padded.
     """
     batch, num_new = input_ids.shape
     if rows < batch or tokens < num_new:
@@ -147,5 +147,9 @@ def pad_step(input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndar
     mask[:batch, :num_new, :num_new] = tree_mask
     cache_lengths = np.zeros(rows, dtype=np.int32)
     cache_lengths[:batch] = lengths
+    padded = {}
+    for name, value in (extra or {}).items():
+        padded[name] = np.zeros((rows, tokens) + value.shape[2:], dtype=value.dtype)
+        padded[name][:batch, :num_new] = value
     return {"input_ids": ids, "position_ids": positions, "tree_mask": pack_tree_mask(mask),
-            "cache_lengths": cache_lengths, "logit_indices": all_indices(rows, tokens).copy()}
+            "cache_lengths": cache_lengths, "logit_indices": all_indices(rows, tokens).copy(), **padded}

@@ -57,11 +57,35 @@ def causal_mask(batch: int, tokens: int) -> np.ndarray:
     return np.broadcast_to(np.tril(np.ones((tokens, tokens), dtype=bool)), (batch, tokens, tokens)).copy()
 
 
+@dataclass(frozen=True, slots=True)
+class StepExtras:
+    """A feature pair's per-token I/O beyond the step graph's (``engines/base.py``): a target returns its
+    ``features`` [B,T,F]; a feature draft (EAGLE-3) takes ``features``, ``draft_hidden``, ``from_target`` and
+    returns ``hidden`` [B,T,H]. ``inputs``: (name, width or None for [B,T], dtype); ``output``: (name, width,
+    dtype)."""
+    inputs: tuple[tuple[str, int | None, torch.dtype], ...] = ()
+    output: tuple[str, int, torch.dtype] | None = None
+
+    @classmethod
+    def feature_draft(cls, feature_width: int, hidden_width: int, dtype: torch.dtype) -> "StepExtras":
+        return cls((("features", feature_width, dtype), ("draft_hidden", hidden_width, dtype),
+                    ("from_target", None, torch.bool)), ("hidden", hidden_width, dtype))
+
+    @classmethod
+    def target_features(cls, feature_width: int, dtype: torch.dtype) -> "StepExtras":
+        return cls((), ("features", feature_width, dtype))
+
+    @property
+    def widths(self) -> dict[str, int]:
+        """Each per-token input's last dimension (``FeatureDraftEngine`` sizes what it feeds from these)."""
+        return {name: width for name, width, _ in self.inputs if width is not None}
+
+
 class StepBuffers:
     """Device tensors for one step shape (rows x tokens); static when they belong to a graph bucket."""
 
     def __init__(self, device: torch.device, vocab_size: int, logits_dtype: torch.dtype, rows: int,
-                 tokens: int) -> None:
+                 tokens: int, extras: StepExtras = StepExtras()) -> None:
         words = (tokens + 31) // 32
         self.rows, self.tokens = rows, tokens
         self.inputs = {
@@ -71,7 +95,12 @@ class StepBuffers:
             "cache_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
             "logit_indices": torch.zeros((rows, tokens), dtype=torch.int64, device=device),
         }
+        for name, width, dtype in extras.inputs:
+            shape = (rows, tokens) if width is None else (rows, tokens, width)
+            self.inputs[name] = torch.zeros(shape, dtype=dtype, device=device)
         self.logits = torch.empty((rows, tokens, vocab_size), dtype=logits_dtype, device=device)
+        self.extra_output = None if extras.output is None else \
+            torch.empty((rows, tokens, extras.output[1]), dtype=extras.output[2], device=device)
 
     def upload(self, host: dict[str, np.ndarray]) -> None:
         for name, tensor in self.inputs.items():
@@ -83,14 +112,22 @@ class DeviceStepEngine:
 
     ``_launch(profile, buffers)`` must enqueue one step on the current stream: read
     ``buffers.inputs`` and the first ``buffers.rows`` rows of :attr:`caches`, write the T new
-    keys/values into those caches in place and the logits into ``buffers.logits``, touching no other
+    keys/values into those caches in place, the logits into ``buffers.logits`` (and a feature pair's
+    output into ``buffers.extra_output``), touching no other
     memory whose address changes between calls (so that it can be captured in a CUDA graph).
     """
 
     def __init__(self, spec: EngineSpec, profiles: tuple[Profile, ...], *, device: torch.device,
                  cache_dtype: torch.dtype, logits_dtype: torch.dtype, stream_priority: int = 0,
-                 use_cuda_graphs: bool = True) -> None:
+                 use_cuda_graphs: bool = True, extras: StepExtras = StepExtras()) -> None:
         self.spec = spec
+        self.extras = extras
+        # what OrtEngine offers a feature pair (decoding/feature_relay.py, engines/feature_draft.py)
+        self.extra_inputs = tuple(name for name, _, _ in extras.inputs)
+        self.extra_widths = extras.widths
+        self.has_features = extras.output is not None and extras.output[0] == "features"
+        self.last_features: np.ndarray | None = None
+        self.last_hidden: np.ndarray | None = None
         self._profiles = profiles
         self._device = device
         self._logits_dtype = logits_dtype
@@ -132,10 +169,14 @@ class DeviceStepEngine:
         return self._lengths.copy()
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
-                logit_indices: np.ndarray | None = None) -> np.ndarray:
+                logit_indices: np.ndarray | None = None, extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """Append ``input_ids`` [B,T] to every row; return float32 logits [B,L,V] (``logit_indices`` [B,L];
         None: all T). On a device the step computes every position's logits (the LM head is cheap there,
-        and one static shape per bucket keeps CUDA graphs simple); the pick happens on the host."""
+        and one static shape per bucket keeps CUDA graphs simple); the pick happens on the host.
+        ``extra``: a feature draft's per-token inputs (``StepExtras``)."""
+        if set(extra or ()) != set(self.extra_inputs):
+            raise ValueError(f"{self.spec.name}: the step takes extra inputs {list(self.extra_inputs)}, got "
+                             f"{sorted(extra or ())}")
         ids = np.asarray(input_ids, dtype=np.int64)
         positions = np.asarray(position_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[0] != len(self._lengths) or positions.shape != ids.shape:
@@ -150,7 +191,7 @@ class DeviceStepEngine:
         profile = select_profile(self._profiles, batch, tokens)
         bucket = select_bucket(self._buckets, batch, tokens, room) if self._buckets else None
         rows, padded = (bucket.batch, bucket.tokens) if bucket else (batch, tokens)
-        host = pad_step(ids, positions, mask, self._lengths, rows, padded)
+        host = pad_step(ids, positions, mask, self._lengths, rows, padded, extra)
         started = time.perf_counter()
         with self._on_device():
             if self._events:
@@ -160,12 +201,19 @@ class DeviceStepEngine:
                 buffers.upload(host)
                 graph.run()
             else:
-                buffers = StepBuffers(self._device, self.spec.vocab_size, self._logits_dtype, rows, padded)
+                buffers = StepBuffers(self._device, self.spec.vocab_size, self._logits_dtype, rows, padded,
+                                      self.extras)
                 buffers.upload(host)
                 self._launch(profile, buffers)
             if self._events:
                 self._events[1].record(self._stream)
             logits = buffers.logits[:batch, :tokens].float().cpu()  # waits for the stream
+            if self.extras.output is not None:
+                out = buffers.extra_output[:batch, :tokens].float().cpu().numpy()
+                if self.has_features:
+                    self.last_features = out
+                else:
+                    self.last_hidden = out
         self.last_step_ms = self._events[0].elapsed_time(self._events[1]) if self._events else \
             (time.perf_counter() - started) * 1000.0
         self._lengths = self._lengths + tokens
@@ -196,7 +244,7 @@ class DeviceStepEngine:
     def _graph_for(self, bucket: GraphBucket) -> tuple[StepGraph, StepBuffers]:
         if bucket not in self._graphs:
             buffers = StepBuffers(self._device, self.spec.vocab_size, self._logits_dtype, bucket.batch,
-                                  bucket.tokens)
+                                  bucket.tokens, self.extras)
             graph = StepGraph(lambda: self._launch(bucket.profile, buffers), self._stream)
             self._graphs[bucket] = (graph, buffers)
         return self._graphs[bucket]

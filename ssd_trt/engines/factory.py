@@ -4,7 +4,8 @@ Backends: ``ort`` (ONNX Runtime, CPU: the embedded default), ``trt`` (the build'
 data-centre TensorRT or TensorRT for RTX, whichever plan can run here, checked by ``plans.check_plan``)
 and ``torch`` (the torch decoder with the Triton tree-attention kernel and CUDA graphs, on a GPU without
 TensorRT; weights reloaded from the sources the manifest records and checked against their sha256).
-The draft is wrapped in its copy component when its config carries one (``copy_mixture.py``).
+The draft is wrapped in its copy component when its config carries one (``copy_mixture.py``), and a feature
+(EAGLE-3) draft's engine of any backend in ``FeatureDraftEngine`` (``feature_draft.py``).
 """
 from __future__ import annotations
 
@@ -122,9 +123,15 @@ class EngineSet:
 def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
                 edition: str | None = None) -> Engine:
     """The role's engine on ``backend`` (ort | trt | torch), placed as asked; ``edition``: which TensorRT plan."""
-    spec = engine_spec(manifest, role)
+    engine = _backend_engine(root, manifest, role, placement, backend, edition)
     if role == "draft" and manifest.recipe.draft.kind == "eagle3":
-        return _feature_draft_engine(root, manifest, spec, placement, backend)
+        return feature_draft_engine(engine, root)
+    return engine
+
+
+def _backend_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
+                    edition: str | None) -> Engine:
+    spec = engine_spec(manifest, role)
     if backend == "torch":
         return _torch_engine(manifest, role)
     if backend == "trt":
@@ -141,21 +148,14 @@ def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlace
                      int8_activations=getattr(manifest.recipe, role).activations == "int8")
 
 
-def _feature_draft_engine(root: Path, manifest: Manifest, spec: EngineSpec, placement: ModelPlacement,
-                          backend: str) -> Engine:
-    """The EAGLE-3 draft's ONNX Runtime engine behind ``FeatureDraftEngine`` (which features each token carries)."""
+def feature_draft_engine(engine, root: Path) -> Engine:
+    """An EAGLE-3 draft's engine (any backend) behind ``FeatureDraftEngine``: which features each token carries."""
     from ssd_trt.engines.feature_draft import FeatureDraftEngine
-    from ssd_trt.engines.ort import OrtEngine
-    if backend != "ort":
-        raise ArtifactError(f"the build in {root} has an eagle3 draft, which runs on ONNX Runtime only for now "
-                            f"(asked for backend {backend!r}); use --backend ort or auto")
-    inner = OrtEngine(Path(root) / "draft" / "model.ort.onnx", spec, placement.threads, placement.cores,
-                      spin=placement.spin, int8_activations=manifest.recipe.draft.activations == "int8")
-    widths = {i.name: i.shape[-1] for i in inner.session.get_inputs()}
-    if not isinstance(widths.get("features"), int) or not isinstance(widths.get("draft_hidden"), int):
-        raise ArtifactError(f"{root}/draft/model.ort.onnx is not an eagle3 step graph (it lacks static features / "
-                            f"draft_hidden inputs); rebuild")
-    return FeatureDraftEngine(inner, widths["features"], widths["draft_hidden"])
+    widths = getattr(engine, "extra_widths", {})
+    if set(widths) != {"features", "draft_hidden"}:
+        raise ArtifactError(f"the draft in {root} is an eagle3 draft but its engine takes no static features / "
+                            f"draft_hidden inputs ({sorted(widths)}); rebuild")
+    return FeatureDraftEngine(engine, widths["features"], widths["draft_hidden"])
 
 
 def _torch_engine(manifest: Manifest, role: str) -> Engine:
@@ -164,7 +164,6 @@ def _torch_engine(manifest: Manifest, role: str) -> Engine:
 
     from ssd_trt.engines.device_step import Placement
     from ssd_trt.engines.torch_device import TorchDeviceEngine
-    from ssd_trt.models.loading import load_decoder
     from ssd_trt.models.sources import resolve_source, source_fingerprint
 
     entry = manifest.model(role)
@@ -176,11 +175,27 @@ def _torch_engine(manifest: Manifest, role: str) -> Engine:
     if source_fingerprint(source) != entry.source_sha256:
         raise ArtifactError(f"the {role} source {source.path} changed since this build was made (sha256 "
                             "differs from the manifest); rebuild, or use the ort backend")
-    model, _ = load_decoder(source)
+    model = _reload(manifest, role, source)
     on_gpu = torch.cuda.is_available()
     dtype = getattr(torch, getattr(manifest.recipe, role).dtype)
     return TorchDeviceEngine(model, manifest.recipe.engine.limits, name=role, device="cuda" if on_gpu else "cpu",
                              dtype=dtype, placement=_gpu_placement(role) if on_gpu else Placement())
+
+
+def _reload(manifest: Manifest, role: str, source):
+    """The role's torch model as the build made it: with a feature (EAGLE-3) draft, the target returns the
+    features the draft reads and the draft is the head on the target's embedding."""
+    from ssd_trt.models.loading import load_decoder
+    if manifest.recipe.draft.kind != "eagle3":
+        return load_decoder(source)[0]
+    from ssd_trt.models.decoder import with_target_features
+    from ssd_trt.models.eagle3 import Eagle3Config, load_eagle3_checkpoint
+    from ssd_trt.models.sources import resolve_source
+    target, _ = load_decoder(source if role == "target" else resolve_source(manifest.model("target").source))
+    if role == "draft":
+        return load_eagle3_checkpoint(source.path, target.config.num_layers, target.embed_tokens.weight.detach())
+    layers = Eagle3Config.from_hf_dict(manifest.model("draft").hf_config, target.config.num_layers).feature_layers
+    return with_target_features(target, layers)
 
 
 def _gpu_placement(role: str):

@@ -58,8 +58,9 @@ def takes_target_features(engine) -> bool:
 
 
 class FeatureDraftEngine:
-    """Wraps an engine whose graph takes ``features``, ``draft_hidden``, ``from_target`` and returns ``hidden``
-    (``OrtEngine`` with ``extra=``); presents the plain :class:`~ssd_trt.engines.base.Engine` interface."""
+    """Wraps an engine whose step takes ``features``, ``draft_hidden``, ``from_target`` and returns ``hidden``
+    (``forward(..., extra=)`` and ``last_hidden`` of ``OrtEngine`` and ``DeviceStepEngine``: ONNX Runtime, TensorRT,
+    torch); presents the plain :class:`~ssd_trt.engines.base.Engine` interface."""
 
     takes_target_features = True
 

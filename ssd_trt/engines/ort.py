@@ -61,6 +61,8 @@ class OrtEngine:
         self.last_features: np.ndarray | None = None
         # a feature draft's graph (EAGLE-3) takes per-token inputs beyond the step graph's and returns its hidden
         self.extra_inputs = tuple(i.name for i in self.session.get_inputs() if i.name in EAGLE3_INPUTS)
+        self.extra_widths = {i.name: i.shape[-1] for i in self.session.get_inputs()
+                             if i.name in self.extra_inputs and isinstance(i.shape[-1], int) and len(i.shape) == 3}
         self.has_hidden = EAGLE3_OUTPUT_HIDDEN in outputs
         self.last_hidden: np.ndarray | None = None
         self.cache: KVCache | None = None
@@ -77,7 +79,7 @@ class OrtEngine:
         """Placeholder extra inputs of a feature draft's graph (every token carrying zero target features)."""
         if not self.extra_inputs:
             return None
-        widths = {i.name: i.shape[-1] for i in self.session.get_inputs()}
+        widths = self.extra_widths
         return {"features": np.zeros((batch, tokens, widths["features"]), dtype=np.float32),
                 "draft_hidden": np.zeros((batch, tokens, widths["draft_hidden"]), dtype=np.float32),
                 "from_target": np.ones((batch, tokens), dtype=bool)}

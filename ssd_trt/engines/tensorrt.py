@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ssd_trt.engines.base import EngineSpec, past_names, present_names
-from ssd_trt.engines.device_step import DeviceStepEngine, Placement, StepBuffers, causal_mask, \
+from ssd_trt.engines.device_step import DeviceStepEngine, Placement, StepBuffers, StepExtras, causal_mask, \
     place_draft_and_target
 from ssd_trt.engines.availability import probe_tensorrt, probe_tensorrt_rtx
 from ssd_trt.engines.editions import EDITIONS
@@ -42,6 +42,21 @@ def check_spec(expected: EngineSpec | None, found: EngineSpec, path: Path) -> No
         if getattr(found, field) < getattr(expected, field):
             raise ValueError(f"{path}: engine supports {field} {getattr(found, field)} < {getattr(expected, field)} "
                              "asked for: rebuild with the recipe's limits")
+
+
+def layout_extras(layout: BindingLayout) -> StepExtras:
+    """A feature pair's extra I/O as the plan declares it (``BindingLayout``): a target's features output, or a
+    feature draft's inputs and hidden output, in the plan's types."""
+    names = {tensor.name for tensor in layout.tensors}
+    if "draft_hidden" in names:
+        features, hidden = layout.tensor("features"), layout.tensor("draft_hidden")
+        if features.dtype != hidden.dtype:
+            raise ValueError(f"the plan's features ({features.dtype}) and draft_hidden ({hidden.dtype}) differ in type")
+        return StepExtras.feature_draft(features.shape[-1], hidden.shape[-1], getattr(torch, features.dtype))
+    if "features" in names:
+        features = layout.tensor("features")
+        return StepExtras.target_features(features.shape[-1], getattr(torch, features.dtype))
+    return StepExtras()
 
 
 class TensorRTEngine(DeviceStepEngine):
@@ -82,7 +97,8 @@ class TensorRTEngine(DeviceStepEngine):
             check_spec(spec, found, engine_path)
         super().__init__(found, profiles, device=device, cache_dtype=getattr(torch, self.layout.cache_dtype),
                          logits_dtype=getattr(torch, self.layout.logits_dtype),
-                         stream_priority=placement.stream_priority, use_cuda_graphs=use_cuda_graphs)
+                         stream_priority=placement.stream_priority, use_cuda_graphs=use_cuda_graphs,
+                         extras=layout_extras(self.layout))
         with torch.cuda.device(device):
             self._contexts = self._make_contexts()
 
@@ -128,5 +144,7 @@ class TensorRTEngine(DeviceStepEngine):
                 context.set_tensor_address(past, rows.data_ptr())
                 context.set_tensor_address(present, rows.data_ptr())  # in place: aliased to past
         context.set_tensor_address("logits", buffers.logits.data_ptr())
+        if self.extras.output is not None:            # a feature pair's features / hidden
+            context.set_tensor_address(self.extras.output[0], buffers.extra_output.data_ptr())
         if not context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
             raise RuntimeError("TensorRT failed to enqueue the step (see the TensorRT log)")

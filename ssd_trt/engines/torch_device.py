@@ -17,8 +17,9 @@ import torch
 from plugins.tree_attention.reference import tree_attention_reference
 from plugins.tree_attention.triton_kernel import tree_attention as triton_tree_attention
 from ssd_trt.engines.base import EngineSpec
-from ssd_trt.engines.device_step import DeviceStepEngine, Placement, StepBuffers
+from ssd_trt.engines.device_step import DeviceStepEngine, Placement, StepBuffers, StepExtras
 from ssd_trt.models.decoder import Decoder
+from ssd_trt.models.eagle3 import Eagle3Draft
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.engines.profiles import derive_profiles
 
@@ -39,7 +40,7 @@ class TorchDeviceEngine(DeviceStepEngine):
     ``"reference"`` (the plain torch math of ``reference.py``: what the kernel is checked against).
     """
 
-    def __init__(self, model: Decoder, limits: EngineLimits, *, name: str = "model",
+    def __init__(self, model: Decoder | Eagle3Draft, limits: EngineLimits, *, name: str = "model",
                  device: torch.device | str = "cuda", dtype: torch.dtype = torch.float32,
                  placement: Placement = Placement(), use_cuda_graphs: bool = True, kernel: str = "triton") -> None:
         device = torch.device(device)
@@ -52,7 +53,15 @@ class TorchDeviceEngine(DeviceStepEngine):
             raise ValueError(f"dtype must be float32, float16 or bfloat16 (the kernel's), got {dtype}")
         if kernel not in ("triton", "reference"):
             raise ValueError(f"kernel must be 'triton' or 'reference', got {kernel!r}")
-        config = model.config
+        # an EAGLE-3 draft (its one layer's config) takes per-token features; a target may return its own
+        self.feature_draft = isinstance(model, Eagle3Draft)
+        config = model.config.layer if self.feature_draft else model.config
+        if self.feature_draft:
+            extras = StepExtras.feature_draft(3 * config.hidden_size, config.hidden_size, dtype)
+        elif model.feature_layers:
+            extras = StepExtras.target_features(len(model.feature_layers) * config.hidden_size, dtype)
+        else:
+            extras = StepExtras()
         spec = EngineSpec(name=name, vocab_size=config.vocab_size, num_layers=config.num_layers,
                           num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                           max_batch=limits.max_batch, max_context=limits.max_context)
@@ -64,7 +73,7 @@ class TorchDeviceEngine(DeviceStepEngine):
         self._attention = functools.partial(triton_tree_attention, inplace=True, check_lengths=False) \
             if kernel == "triton" else reference_attention_inplace
         super().__init__(spec, derive_profiles(limits), device=device, cache_dtype=dtype, logits_dtype=dtype,
-                         stream_priority=placement.stream_priority, use_cuda_graphs=use_cuda_graphs)
+                         stream_priority=placement.stream_priority, use_cuda_graphs=use_cuda_graphs, extras=extras)
 
     def _launch(self, profile: int, buffers: StepBuffers) -> None:
         """The decoder over the first ``buffers.rows`` cache rows; the kernel writes the new slots in place."""
@@ -72,7 +81,16 @@ class TorchDeviceEngine(DeviceStepEngine):
         caches = [cache[:rows] for pair in self.caches for cache in pair]
         inputs = buffers.inputs
         with torch.no_grad():
-            logits, *_ = self.model(inputs["input_ids"], inputs["position_ids"], inputs["tree_mask"],
-                                    inputs["cache_lengths"], *caches, attention=self._attention,
-                                    logit_indices=inputs["logit_indices"])
+            if self.feature_draft:
+                logits, hidden, *_ = self.model(inputs["input_ids"], inputs["position_ids"], inputs["tree_mask"],
+                                                inputs["cache_lengths"], inputs["features"], inputs["draft_hidden"],
+                                                inputs["from_target"], *caches, attention=self._attention,
+                                                logit_indices=inputs["logit_indices"])
+                buffers.extra_output.copy_(hidden)
+            else:
+                logits, *rest = self.model(inputs["input_ids"], inputs["position_ids"], inputs["tree_mask"],
+                                           inputs["cache_lengths"], *caches, attention=self._attention,
+                                           logit_indices=inputs["logit_indices"])
+                if buffers.extra_output is not None:
+                    buffers.extra_output.copy_(rest[-1])             # the features (Decoder.feature_layers)
             buffers.logits.copy_(logits)

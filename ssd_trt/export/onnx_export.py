@@ -137,7 +137,9 @@ def trace_eagle3_step_graph(model) -> onnx.ModelProto:
     outputs = [GRAPH_OUTPUT_LOGITS, *present_names(0), EAGLE3_OUTPUT_HIDDEN]
     dynamic = {**STEP_DYNAMIC_AXES, **{name: CACHE_AXES for name in (*past_names(0), *present_names(0))},
                **{name: {0: "batch", 1: "new_tokens"} for name in (*EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN)}}
-    args = (*_step_args(batch, num_new), torch.zeros(batch, num_new, 3 * width), torch.zeros(batch, num_new, width),
+    dtype = model.embed_tokens.weight.dtype         # features and hidden in the model's precision
+    args = (*_step_args(batch, num_new), torch.zeros(batch, num_new, 3 * width, dtype=dtype),
+            torch.zeros(batch, num_new, width, dtype=dtype),
             torch.ones(batch, num_new, dtype=torch.bool), *model.empty_caches(batch, capacity))
     return _trace(_Eagle3StepGraph(model), args, inputs, outputs, dynamic)
 

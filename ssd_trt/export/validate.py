@@ -134,11 +134,12 @@ def _compare_func(atol: float):
     return comparator.CompareFunc.simple(atol=atol, rtol=RTOL, infinities_compare_equal=True)
 
 
-def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]], atol: float = ATOL) -> dict:
+def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]], capacity: int | None = None,
+                          atol: float = ATOL) -> dict:
     """A feature draft's step graph (``onnx_export.trace_eagle3_step_graph``) against its torch module: random
     steps of each (batch, new tokens) shape over a filled cache, every token carrying a random target feature or
     a random draft hidden; logits (finite ones; the -inf off the draft vocabulary compared exactly), the cache
-    and the output hidden."""
+    and the output hidden. ``capacity`` fixes the caches' length (a graph with a static capacity)."""
     import onnxruntime as ort
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -147,7 +148,7 @@ def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]],
     c = model.config.layer
     max_abs, same_infinities = 0.0, True
     for seed, (batch, num_new) in enumerate(shapes):
-        feeds = dict(sample_feeds(c, batch, num_new, seed))
+        feeds = dict(sample_feeds(c, batch, num_new, seed, capacity))
         rng = np.random.default_rng(1000 + seed)
         feeds.update(features=rng.standard_normal((batch, num_new, 3 * c.hidden_size)).astype(np.float32),
                      draft_hidden=rng.standard_normal((batch, num_new, c.hidden_size)).astype(np.float32),
