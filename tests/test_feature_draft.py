@@ -180,9 +180,9 @@ def test_sd_proposals_are_the_drafts_with_the_targets_features_of_verified_token
                                                                         np.roll(features, -1, axis=0)))
     rounds = record_sd_rounds(monkeypatch)
     gen = ssd_trt.load(build, RuntimeOptions(draft_len=3))
-    for prompt in PROMPTS[:4]:
+    for prompt in PROMPTS[:2 if planted else 4]:
         gen.generate_ids([prompt], SamplingParams(max_new_tokens=24, stop_on_eos=False), mode="sd")
-    assert len(rounds) > 20
+    assert len(rounds) > (10 if planted else 20)
     mismatched = [r for r in rounds if reference_proposals(target, draft, r[0], 3) != r[1]]
     if planted:
         assert len(mismatched) > len(rounds) // 4, "an off-by-one in the features went unnoticed"

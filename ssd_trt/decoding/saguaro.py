@@ -326,7 +326,7 @@ def saguaro_rounds(state: Round, target: Engine, prompts: list[list[int]], seqs:
         cache_future = state.on_draft(state.worker.speculate, bonus, spec, shapes)
         t_verify = time.perf_counter()                             # target: verify (draft: speculate)
         outcomes = verify_and_commit(target, bonus, spec.tokens, spec.dists, seqs, rng, state.stats)
-        verified = chain_features(target, state.worker.draft, outcomes)   # a feature draft's, after its job
+        verified = chain_features(target, state.worker.draft, outcomes)   # now: the next target step overwrites them
         t_verified = time.perf_counter()
         glue = accepted_glue(bonus, spec, outcomes)
         bonus = [previous if o is None else o.bonus for previous, o in zip(bonus, outcomes)]
