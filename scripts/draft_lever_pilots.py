@@ -49,8 +49,9 @@ from ssd_trt.distill.copy_fit import read_copy_mixture  # noqa: E402
 from ssd_trt.distill.evaluate import load_prompt_file, target_continuations  # noqa: E402
 from ssd_trt.distill.model import DraftConfig, DraftModel, load_draft, save_draft  # noqa: E402
 from ssd_trt.distill.teacher import Sample, label_prompts, load_samples, load_target  # noqa: E402
-from ssd_trt.distill.train import (TrainConfig, batch_indices, head_index, kd_loss, lr_at,  # noqa: E402
-                                  make_batch, make_optimizer, split_samples)
+from ssd_trt.distill.loop import lr_at, make_optimizer  # noqa: E402
+from ssd_trt.distill.train import (TrainConfig, batch_indices, head_index, kd_loss,  # noqa: E402
+                                  make_batch, split_samples)
 
 SHIPPED = ROOT / "recipes" / "drafts" / "smollm2-135m-draft"
 BENCH = ROOT / "ssd_trt" / "bench" / "prompts" / "default.jsonl"

@@ -219,14 +219,15 @@ def _pattern_samples(target_is_follower: bool) -> list[Sample]:
 
 
 def test_copy_fit_trusts_the_follower_only_where_it_is_right(tmp_path):
-    from ssd_trt.distill.copy_fit import fit_copy_mixture, read_copy_mixture, write_copy_mixture
+    from ssd_trt.distill.copy_fit import (fit_copy_mixture, independent_draft_logits, read_copy_mixture,
+                                          write_copy_mixture)
 
     torch.manual_seed(0)
     draft = DraftModel(small_cfg()).eval()                       # untrained: its argmax is noise
-    mixture, summary = fit_copy_mixture(draft, _pattern_samples(True), max_ngram=4)
+    mixture, summary = fit_copy_mixture(independent_draft_logits(draft), _pattern_samples(True), max_ngram=4)
     assert max(mixture.weights) > 0.5
     assert summary["greedy_agreement_with_copy"] > summary["greedy_agreement_draft"] + 0.5
-    useless, summary = fit_copy_mixture(draft, _pattern_samples(False), max_ngram=4)
+    useless, summary = fit_copy_mixture(independent_draft_logits(draft), _pattern_samples(False), max_ngram=4)
     assert useless.weights == (0.0, 0.0, 0.0, 0.0)
     assert summary["greedy_agreement_with_copy"] == summary["greedy_agreement_draft"]
     save_draft(draft, tmp_path)

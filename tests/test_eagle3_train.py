@@ -26,9 +26,9 @@ VOCAB, HIDDEN, TARGET_LAYERS = 96, 32, 6
 DRAFT_IDS = torch.arange(0, VOCAB, 2)          # the draft vocabulary: every even target id
 
 
-def tiny_target() -> Decoder:
+def tiny_target(layers: int = TARGET_LAYERS) -> Decoder:
     config = DecoderConfig(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
-                           num_layers=TARGET_LAYERS, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                           num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
                            rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True)
     torch.manual_seed(0)
     return Decoder(config).eval()
@@ -167,3 +167,53 @@ def test_kind_eagle3_dispatches_to_its_own_pipeline_and_independent_stays_the_de
     rest = ["--target", "t", "--out", "o"]
     assert split_kind(["--kind", "eagle3", *rest]) == ("eagle3", rest)
     assert split_kind(["--target", "t", "--out", "o"])[0] == "independent"
+
+
+def test_init_from_continues_a_released_head_and_refuses_one_reading_other_layers(tmp_path):
+    import pytest
+
+    from ssd_trt.distill.eagle3_pipeline import warm_start
+    from ssd_trt.models.eagle3 import default_feature_layers
+
+    target = tiny_target(layers=8)     # the default feature layers (2, 4, 5) need 8
+    released = init_draft(target, DRAFT_IDS, default_feature_layers(8), seed=3)
+    export_released(released, tmp_path / "head")
+    model = warm_start(tmp_path / "head", target)
+    assert not model.embed_tokens.weight.requires_grad
+    assert torch.equal(model.draft_token_ids, DRAFT_IDS)
+    assert torch.equal(model.fc.weight, released.fc.weight.to(torch.bfloat16).float())
+    c = Eagle3TrainConfig(steps=20, batch=4, lr=1e-2, warmup=2, ckpt_every=20, eval_samples=8, bf16=False)
+    summary = train_eagle3(model, tiny_samples(), tiny_samples(4), c, tmp_path / "run", log=lambda *_: None)
+    losses = [h["loss"] for h in summary["history"] if "loss" in h]
+    assert losses[-1] < losses[0]
+
+    export_released(init_draft(target, DRAFT_IDS, (1, 3, 4)), tmp_path / "other")
+    with pytest.raises(ValueError, match=r"reads target layers \[1, 3, 4\]"):
+        warm_start(tmp_path / "other", target)
+
+
+def test_teacher_forced_logits_are_step_0_in_the_full_vocabulary_and_feed_the_copy_fit():
+    from ssd_trt.distill.copy_fit import fit_copy_mixture
+    from ssd_trt.distill.eagle3_train import teacher_forced_logits
+
+    model = tiny_draft()
+    ids, features = random_sequence()
+    with torch.no_grad():
+        full = teacher_forced_logits(model, ids, features)
+        step0 = unrolled_forward(model, ids[None], features[None], 1)[0][0]
+    assert full.shape == (len(ids), VOCAB)
+    assert torch.allclose(full[1:, DRAFT_IDS], step0) and torch.isinf(full[:, 1::2]).all()
+
+    # sequences repeating a pattern of draft-vocabulary tokens whose target is the follower: the fit trusts it
+    samples = []
+    for i in range(4):
+        pattern = DRAFT_IDS[torch.randperm(len(DRAFT_IDS), generator=torch.Generator().manual_seed(i))[:5]]
+        seq = pattern.repeat(4).to(torch.int32)
+        nxt = torch.cat([seq[1:], seq[:1]]).long()
+        samples.append(FeatureSample(seq, 0, 2, torch.randn(len(seq), 3 * HIDDEN).to(torch.bfloat16),
+                                     torch.stack([nxt, (nxt + 2) % VOCAB], 1).to(torch.int32),
+                                     torch.tensor([[4.0, 0.0]]).expand(len(seq), 2).half(), "x"))
+    with torch.no_grad():
+        mixture, summary = fit_copy_mixture(lambda s: teacher_forced_logits(model, s.ids, s.features), samples, 4)
+    assert max(mixture.weights) > 0.5
+    assert summary["greedy_agreement_with_copy"] > summary["greedy_agreement_draft"] + 0.5

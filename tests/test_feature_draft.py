@@ -62,16 +62,18 @@ def write_feature_head(directory, target, seed: int = 7):
     return directory
 
 
-@pytest.fixture(scope="module")
-def feature_pair(tmp_path_factory):
-    """(build dir, torch target, torch draft) of a tiny target with an EAGLE-3 head, built for max batch 64."""
+def build_feature_pair(root, copy_weights: list[float] | None = None):
+    """(build dir, torch target, torch draft) of a tiny target with an EAGLE-3 head, built for max batch 64;
+    with ``copy_weights`` the head's config also carries a copy component."""
     from ssd_trt.build import build
     from ssd_trt.models.eagle3 import load_eagle3_checkpoint
-    root = tmp_path_factory.mktemp("feature")
     target = random_decoder(tiny_config(layers=3), seed=5)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.5)     # several tokens carry mass, so sampling filters bite (TV test)
     head = write_feature_head(root / "head", target)
+    if copy_weights is not None:
+        config = json.loads((head / "config.json").read_text())
+        (head / "config.json").write_text(json.dumps({**config, "copy_mixture": {"weights": copy_weights}}))
     recipe = write_recipe(root / "feature.yaml", save_hf_checkpoint(target, root / "target"), head,
                           name="tiny-feature", max_batch=64)
     data = yaml.safe_load(recipe.read_text())
@@ -79,6 +81,11 @@ def feature_pair(tmp_path_factory):
     recipe.write_text(yaml.safe_dump(data))
     draft = load_eagle3_checkpoint(head, 3, target.embed_tokens.weight.detach()).eval()
     return build(recipe, root=root), target, draft
+
+
+@pytest.fixture(scope="module")
+def feature_pair(tmp_path_factory):
+    return build_feature_pair(tmp_path_factory.mktemp("feature"))
 
 
 def test_the_build_records_a_feature_pair(feature_pair):
@@ -157,8 +164,7 @@ def record_sd_rounds(monkeypatch) -> list[tuple[list[int], list[int]]]:
     original = speculative_module.draft_chain
 
     def recording(draft, pending, num_tokens, params, rng):
-        inner = draft.inner if isinstance(draft, FeatureDraftEngine) else draft
-        committed = [int(t) for t in draft._slots[0, :inner.lengths[0]]] + list(pending[0])
+        committed = [int(t) for t in draft.cached_tokens(0)] + list(pending[0])
         tokens, dists = original(draft, pending, num_tokens, params, rng)
         rounds.append((committed, [int(t) for t in tokens[0]]))
         return tokens, dists
@@ -268,3 +274,26 @@ def test_a_recipe_refuses_an_eagle3_draft_it_cannot_build(tmp_path):
     with pytest.raises(RecipeError, match="draft.kind"):
         load_recipe(path)
 
+
+
+def test_the_copy_component_works_on_top_of_a_feature_draft(tmp_path):
+    """Item 2: the copy component keeps working on a feature draft: it wraps the feature engine, moves the
+    draft's distribution where a suffix recurs (and only there), and every mode stays exact."""
+    from ssd_trt.engines.copy_mixture import CopyMixtureEngine, longest_match
+    build, _, _ = build_feature_pair(tmp_path, copy_weights=[0.9] * 4)
+    with_copy, without = ssd_trt.load(build), ssd_trt.load(build, RuntimeOptions(draft_copy=False))
+    draft = with_copy.engine("draft")
+    assert isinstance(draft, CopyMixtureEngine) and isinstance(draft.inner, FeatureDraftEngine)
+    assert isinstance(without.engine("draft"), FeatureDraftEngine)
+    ids = np.array([[1, 77, 3, 77, 3, 77, 9]])
+    logits = []
+    for engine in (draft, without.engine("draft")):
+        engine.reset(1)
+        logits.append(engine.forward(ids, np.arange(ids.shape[1])[None])[0])
+    moved = [not np.allclose(a, b) for a, b in zip(*logits)]
+    assert moved == [longest_match(ids[0, :t + 1], 4) is not None for t in range(ids.shape[1])] and any(moved)
+    for mode, options in (("sd", RuntimeOptions(draft_len=3)),
+                          ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8}))):
+        gen = ssd_trt.load(build, options)
+        reference = [r.token_ids for r in gen.generate_ids(PROMPTS[:4], GREEDY, mode="ar")]
+        assert [r.token_ids for r in gen.generate_ids(PROMPTS[:4], GREEDY, mode=mode)] == reference

@@ -55,13 +55,15 @@ def exact_tokens(target, params: ssd_trt.SamplingParams, length: int = 2) -> dic
     return out
 
 
-def draw(build, mode: str, params: dict, options: RuntimeOptions | None = None,
-         length: int = 2) -> tuple[list, list[dict]]:
+def draw(build, mode: str, params: dict, options: RuntimeOptions | None = None, length: int = 2,
+         prompt: list[int] = PROMPT, rows: int = ROWS, calls: int = CALLS) -> tuple[list, list[dict]]:
+    """``calls`` requests of ``rows`` copies of ``prompt``, each with its own seed: every call draws the
+    draft's and the target's random numbers from fresh, independent streams."""
     gen = ssd_trt.load(build, options)
     samples, stats = [], []
-    for call in range(CALLS):
+    for call in range(calls):
         request = ssd_trt.SamplingParams(max_new_tokens=length, seed=1000 + call, stop_on_eos=False, **params)
-        results = gen.generate_ids([PROMPT] * ROWS, request, mode=mode)
+        results = gen.generate_ids([prompt] * rows, request, mode=mode)
         samples += [tuple(r.token_ids) for r in results]
         stats.append(results[0].stats)
     return samples, stats

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from .copy_fit import fit_copy_mixture, read_copy_mixture, write_copy_mixture
+from .copy_fit import fit_copy_mixture, independent_draft_logits, read_copy_mixture, write_copy_mixture
 from .corpora import load_corpora
 from .model import DraftConfig, DraftModel, copy_draft_weights, init_from_target, load_draft
 from .prompts import build_prompts
-from .teacher import label_prompts, load_samples, load_target
+from .teacher import TEACHER_DIRS, label_prompts, load_samples, load_target
 from .train import TrainConfig, select_head_ids, split_samples, train
 
 DEFAULT_EVAL = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "default.jsonl"
@@ -120,11 +120,8 @@ def run_eval(a: argparse.Namespace, draft_dir: Path, target=None, tok=None) -> d
     return res
 
 
-TEACHER_DIRS = ("teacher", "teacher_magpie", "teacher_derived")   # the order main() concatenates them in
-
-
 def fit_copy(a: argparse.Namespace, held, draft_dir: Path) -> dict:
-    mixture, summary = fit_copy_mixture(load_draft(draft_dir), held, a.copy_max_ngram)
+    mixture, summary = fit_copy_mixture(independent_draft_logits(load_draft(draft_dir)), held, a.copy_max_ngram)
     write_copy_mixture(draft_dir, mixture)
     print(f"copy component: held-out greedy agreement {summary['greedy_agreement_draft']:.3f} -> "
           f"{summary['greedy_agreement_with_copy']:.3f}, weights {summary['weights']}")

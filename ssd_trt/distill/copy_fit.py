@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from ssd_trt.engines.copy_mixture import longest_match
-from ssd_trt.engines.copy_mixture import CopyMixture
+from ssd_trt.engines.copy_mixture import CopyMixture, longest_match
 
 from .model import DraftModel
 from .teacher import Sample
@@ -45,8 +45,18 @@ class MatchedPosition:
         return float(np.dot(self.p_top, np.log(mixed + 1e-12)))
 
 
+# The draft's teacher-forced logits of a held-out sequence: row t [V] is its distribution of token t + 1
+# (an independent draft reads the tokens; a feature draft also the target's features stored with them).
+SequenceLogits = Callable[[Sample], torch.Tensor]
+
+
+def independent_draft_logits(draft: DraftModel) -> SequenceLogits:
+    return lambda sample: draft(sample.ids.long()[None])[0]
+
+
 @torch.inference_mode()
-def matched_positions(draft: DraftModel, samples: list[Sample], max_ngram: int) -> tuple[list[MatchedPosition], int, int]:
+def matched_positions(logits_of: SequenceLogits, samples: list[Sample], max_ngram: int
+                      ) -> tuple[list[MatchedPosition], int, int]:
     """(positions that have a recurring suffix, all continuation positions, draft-right positions)."""
     found, total, draft_right = [], 0, 0
     for s in tqdm(samples, desc="copy-fit positions", unit="seq"):
@@ -54,7 +64,7 @@ def matched_positions(draft: DraftModel, samples: list[Sample], max_ngram: int) 
         first = max(s.n_prompt - 1, s.start)
         if len(ids) <= first + 1:
             continue
-        q = torch.softmax(draft(ids[None])[0, first:len(ids) - 1].float(), -1)
+        q = torch.softmax(logits_of(s)[first:len(ids) - 1].float(), -1)
         target_top = s.topk_ids[first:len(ids) - 1, 0].long()   # top-k is stored sorted: column 0 is argmax p
         q_max, q_arg = q.max(-1)
         top_ids = s.topk_ids[first:len(ids) - 1].long()
@@ -76,8 +86,8 @@ def matched_positions(draft: DraftModel, samples: list[Sample], max_ngram: int) 
     return found, total, draft_right
 
 
-def fit_copy_mixture(draft: DraftModel, held: list[Sample], max_ngram: int = 8) -> tuple[CopyMixture, dict]:
-    positions, total, draft_right = matched_positions(draft, held, max_ngram)
+def fit_copy_mixture(logits_of: SequenceLogits, held: list[Sample], max_ngram: int = 8) -> tuple[CopyMixture, dict]:
+    positions, total, draft_right = matched_positions(logits_of, held, max_ngram)
     weights, gained = [], 0
     for size in range(1, max_ngram + 1):
         here = [p for p in positions if p.size == size]

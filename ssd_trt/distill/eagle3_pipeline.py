@@ -8,7 +8,9 @@ Stages (each cached under --out, so an interrupted run picks up where it stopped
   3. draft vocabulary: train.select_head_ids on the training sequences -> OUT/eagle3_head_ids.pt
   4. train with training-time test (eagle3_train.py)                   -> OUT/eagle3/{ckpt.pt,best.pt}
   5. export the released layout, load it back, evaluate against the fp32 target -> OUT/eagle3/best/
-  6. --export DIR: config.json, model.safetensors and metrics.json there.
+  6. copy: fit the weights of the draft's copy component (prompt lookup mixed into q, copy_fit.py) on the
+     held-out sequences, teacher-forced with their target features   -> "copy_mixture" in config.json
+  7. --export DIR: config.json, model.safetensors and metrics.json there.
 """
 from __future__ import annotations
 
@@ -21,15 +23,16 @@ from pathlib import Path
 
 import torch
 
-from ssd_trt.models.eagle3 import default_feature_layers, load_eagle3_checkpoint
+from ssd_trt.models.eagle3 import Eagle3Draft, default_feature_layers, load_eagle3_checkpoint
 
+from .copy_fit import fit_copy_mixture, write_copy_mixture
 from .corpora import load_corpora
 from .eagle3_data import as_teacher_samples, featurize_shards, load_feature_samples, load_featured_target
 from .eagle3_eval import evaluate_eagle3
-from .eagle3_train import Eagle3TrainConfig, export_released, init_draft, train_eagle3
+from .eagle3_train import Eagle3TrainConfig, export_released, init_draft, teacher_forced_logits, train_eagle3
 from .evaluate import load_prompt_file
 from .prompts import build_prompts
-from .teacher import EMBEDDED_TARGET, label_prompts, load_samples
+from .teacher import EMBEDDED_TARGET, TEACHER_DIRS, label_prompts, load_samples
 from .train import select_head_ids, split_samples
 
 DEFAULT_EVAL = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "default.jsonl"
@@ -59,11 +62,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every stage")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue training from OUT/eagle3/ckpt.pt")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from this released-layout head (its weights and draft vocabulary) instead of "
+                         "the target's head on a random layer: continued training, with a fresh optimizer")
     ap.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16 autocast")
     ap.add_argument("--eval-prompts", type=Path, default=DEFAULT_EVAL)
     ap.add_argument("--eval-max-new", type=int, default=64)
     ap.add_argument("--eval-only", type=Path, default=None, help="evaluate this exported draft directory and exit")
     ap.add_argument("--export", type=Path, default=None, help="copy the best draft + metrics here")
+    ap.add_argument("--no-copy", action="store_true",
+                    help="do not fit the draft's copy component (prompt-lookup mixture, copy_fit.py)")
+    ap.add_argument("--copy-max-ngram", type=int, default=8, help="longest suffix the copy component matches")
+    ap.add_argument("--fit-copy-only", type=Path, default=None,
+                    help="fit the copy component of this exported head on OUT's held-out sequences and exit")
     a = ap.parse_args(argv)
     for name in ("prompts", "max_new", "topk", "head_size", "ttt_steps", "steps", "batch", "threads"):
         if getattr(a, name) <= 0:
@@ -103,6 +114,45 @@ def draft_vocabulary_ids(a: argparse.Namespace, train_s, tok, vocab: int) -> tor
     return ids
 
 
+def warm_start(directory: Path, target) -> Eagle3Draft:
+    """A released head to continue training: same feature layers as a fresh one, the embedding the
+    target's (frozen, as in ``init_draft``); its draft vocabulary is kept (the head rows are trained for it)."""
+    layers = target.config.num_layers
+    draft = load_eagle3_checkpoint(directory, layers, target.embed_tokens.weight.detach())
+    if tuple(draft.config.feature_layers) != default_feature_layers(layers):
+        raise ValueError(f"--init-from {directory} reads target layers {list(draft.config.feature_layers)}; "
+                         f"training extracts {list(default_feature_layers(layers))}")
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+def stored_feature_shards(out: Path) -> list[Path]:
+    """OUT's feature shards in the order the pipeline concatenates them (the held-out split depends on it)."""
+    shards = [p for d in TEACHER_DIRS for p in sorted((out / "eagle3_features").glob(f"{d}_shard_*.pt"))]
+    if not shards:
+        raise ValueError(f"no feature shards under {out / 'eagle3_features'}: run the data stages first "
+                         f"(recipes/drafts/smollm2-135m-eagle3/reproduce.sh)")
+    return shards
+
+
+def fit_copy(draft: Eagle3Draft, held: list, head_dir: Path, max_ngram: int) -> dict:
+    """Fit the copy weights on ``held`` and store them in ``head_dir``/config.json (the build reads them)."""
+    mixture, summary = fit_copy_mixture(lambda s: teacher_forced_logits(draft, s.ids, s.features), held, max_ngram)
+    write_copy_mixture(head_dir, mixture)
+    print(f"copy component: held-out greedy agreement {summary['greedy_agreement_draft']:.3f} -> "
+          f"{summary['greedy_agreement_with_copy']:.3f}, weights {summary['weights']}")
+    return summary
+
+
+def fit_copy_only(a: argparse.Namespace, target) -> None:
+    _, held = split_samples(load_feature_samples(stored_feature_shards(a.out)))
+    draft = load_eagle3_checkpoint(a.fit_copy_only, target.config.num_layers, target.embed_tokens.weight.detach())
+    summary = fit_copy(draft.eval(), held, a.fit_copy_only, a.copy_max_ngram)
+    metrics_path = a.fit_copy_only / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+    metrics_path.write_text(json.dumps({**metrics, "copy_fit": summary}, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -110,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
     target, hf_model, tok = load_featured_target(a.target)
     layers = target.config.num_layers
+    if a.fit_copy_only is not None:
+        fit_copy_only(a, target)
+        return
     if a.eval_only is not None:
         draft = load_eagle3_checkpoint(a.eval_only, layers, target.embed_tokens.weight.detach())
         res = evaluate_eagle3(draft, target, hf_model, tok, a.eval_prompts, a.eval_max_new, a.ttt_steps)
@@ -133,8 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     if overlap:
         raise ValueError(f"{overlap} evaluation prompts are also training prompts; evaluate on disjoint prompts")
 
-    head_ids = draft_vocabulary_ids(a, train_s, tok, target.config.vocab_size)
-    draft = init_draft(target, head_ids, default_feature_layers(layers), seed=a.seed)
+    if a.init_from is not None:
+        draft = warm_start(a.init_from, target)
+        torch.save(draft.draft_token_ids.clone(), a.out / "eagle3_head_ids.pt")
+    else:
+        head_ids = draft_vocabulary_ids(a, train_s, tok, target.config.vocab_size)
+        draft = init_draft(target, head_ids, default_feature_layers(layers), seed=a.seed)
     tc = Eagle3TrainConfig(steps=a.steps, batch=a.batch, lr=a.lr, warmup=a.warmup, seed=a.seed,
                            ckpt_every=a.ckpt_every, ttt_steps=a.ttt_steps, step_decay=a.step_decay, bf16=not a.fp32)
     run_dir = a.out / "eagle3"
@@ -146,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     export_released(draft, run_dir / "best", target_name)
     shipped = load_eagle3_checkpoint(run_dir / "best", layers, target.embed_tokens.weight.detach())
     res = evaluate_eagle3(shipped, target, hf_model, tok, a.eval_prompts, a.eval_max_new, a.ttt_steps)
+    if not a.no_copy:
+        res["copy_fit"] = fit_copy(shipped.eval(), held, run_dir / "best", a.copy_max_ngram)
     res.update(train={k: v for k, v in summary.items() if k != "history"},
                heldout_by_checkpoint=[h["eval"] for h in summary["history"] if "eval" in h],
                data={"sequences": len(samples), "train_sequences": len(train_s), "held_out_sequences": len(held),

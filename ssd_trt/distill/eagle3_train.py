@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm import tqdm
 
 from ssd_trt.models.decoder import Decoder, rotary_tables
 from ssd_trt.models.eagle3 import Eagle3Config, Eagle3Draft
 
 from .eagle3_data import FeatureSample, draft_vocabulary
-from .train import batch_indices, kd_loss, lr_at
+from .loop import Evaluation, StepResult, run_training
+from .train import batch_indices, kd_loss
 
 
 @dataclass
@@ -160,6 +158,17 @@ def unrolled_forward(model: Eagle3Draft, ids: torch.Tensor, features: torch.Tens
     return logits
 
 
+def teacher_forced_logits(model: Eagle3Draft, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [T, V] of one sequence, row t the draft's distribution of token t + 1 with the
+    target's features up to t (step 0 of :func:`unrolled_forward`); tokens off the draft vocabulary get -inf,
+    row 0 (nothing before t_0 to carry features) is uniform over the draft vocabulary."""
+    draft_logits = unrolled_forward(model, ids.long()[None], features.float()[None], 1)[0][0].float()
+    rows = torch.cat((torch.zeros_like(draft_logits[:1]), draft_logits))
+    out = torch.full((rows.shape[0], model.config.layer.vocab_size), float("-inf"))
+    out[:, model.draft_token_ids] = rows
+    return out
+
+
 # ---- batches and loss ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -236,71 +245,29 @@ def heldout_agreement(model: Eagle3Draft, held: list[FeatureSample], c: Eagle3Tr
 
 # ---- the loop -----------------------------------------------------------------------------------------------------
 
-def make_optimizer(model: Eagle3Draft, c: Eagle3TrainConfig) -> torch.optim.Optimizer:
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if p.ndim == 2]
-    rest = [p for n, p in params if p.ndim != 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}], lr=c.lr, betas=(0.9, 0.95))
-
-
 def train_eagle3(model: Eagle3Draft, train_s: list[FeatureSample], held: list[FeatureSample],
                  c: Eagle3TrainConfig, out: Path, resume: bool = False, log=print) -> dict:
-    """Run (or resume from ``out/ckpt.pt``) training; the best state by held-out step-0 agreement goes to
-    ``out/best.pt``. Data order is a pure function of (seed, step), so a resumed run sees the batches an
-    uninterrupted one would (``train.batch_indices``)."""
+    """Run (or resume from ``out/ckpt.pt``) training (``loop.run_training``); the best state by held-out
+    step-0 agreement goes to ``out/best.pt``."""
     if len(train_s) < c.batch:
         raise ValueError(f"need at least batch={c.batch} training sequences, got {len(train_s)}")
-    out.mkdir(parents=True, exist_ok=True)
     index = target_to_draft_index(model)
-    opt = make_optimizer(model, c)
-    step, best, history, elapsed = 0, -1.0, [], 0.0
-    ckpt = out / "ckpt.pt"
-    torch.manual_seed(c.seed)
-    random.seed(c.seed)
-    if resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        if state["config"]["seed"] != c.seed:
-            raise ValueError(f"--resume with seed {c.seed}, but {ckpt} was trained with seed {state['config']['seed']}")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step, best, history, elapsed = state["step"], state["best"], state["history"], state["elapsed"]
-        torch.set_rng_state(state["rng"])
-        log(f"resumed at step {step}")
-    model.train()
-    t0 = time.time() - elapsed
-    bar = tqdm(total=c.steps, initial=step, desc="eagle3 ttt", dynamic_ncols=True)
-    while step < c.steps:
+
+    def step_loss(step: int) -> StepResult:
         batch = make_batch([train_s[i] for i in batch_indices(step, len(train_s), c)], index, c.max_len)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, c)
         loss, per_step = ttt_loss(model, batch, c)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.clip)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", steps="/".join(f"{x:.2f}" for x in per_step))
-        if step % 10 == 0:
-            history.append({"step": step, "loss": loss.item(), "loss_by_step": per_step})
-        if step % c.ckpt_every == 0 or step == c.steps:
-            ev = heldout_agreement(model, held, c) if held else {"agree_by_step": [0.0]}
-            ev.update(step=step, minutes=(time.time() - t0) / 60)
-            history.append({"eval": ev})
-            log(f"step {step}: held-out agreement by step {[round(x, 4) for x in ev['agree_by_step']]} "
-                f"({ev['minutes']:.1f} min)")
-            if ev["agree_by_step"][0] > best:
-                best = ev["agree_by_step"][0]
-                torch.save(model.state_dict(), out / "best.pt")
-            state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
-                     "history": history, "elapsed": time.time() - t0, "rng": torch.get_rng_state(),
-                     "config": dataclasses.asdict(c)}
-            torch.save(state, ckpt.with_suffix(".tmp"))
-            ckpt.with_suffix(".tmp").replace(ckpt)   # atomic: a kill mid-save keeps the old checkpoint
-    bar.close()
-    return {"step": step, "best_heldout_step0_agreement": best, "minutes": (time.time() - t0) / 60,
-            "history": history}
+        return StepResult(loss, {"loss_by_step": per_step}, {"steps": "/".join(f"{x:.2f}" for x in per_step)})
+
+    def evaluate() -> Evaluation:
+        ev = heldout_agreement(model, held, c) if held else {"agree_by_step": [0.0]}
+        return Evaluation(ev["agree_by_step"][0], ev,
+                          f"held-out agreement by step {[round(x, 4) for x in ev['agree_by_step']]}")
+
+    summary = run_training(model, c, out, step_loss=step_loss, evaluate=evaluate,
+                           save_best=lambda: torch.save(model.state_dict(), out / "best.pt"),
+                           held_out_size=len(held), resume=resume, desc="eagle3 ttt", log=log)
+    return {"step": summary["step"], "best_heldout_step0_agreement": summary["best"],
+            "minutes": summary["minutes"], "history": summary["history"]}
 
 
 # ---- the released layout ------------------------------------------------------------------------------------------

@@ -168,6 +168,11 @@ def generate_batch(model, ids_list: list[list[int]], max_new: int, eos_ids: set[
     return res
 
 
+# where the teacher stage writes its shards, in the order the pipelines concatenate them (so the held-out
+# split, every 25th sequence, is the same whichever stage reads them)
+TEACHER_DIRS = ("teacher", "teacher_magpie", "teacher_derived")
+
+
 def label_prompts(model, tok, prompts: list[Prompt], out_dir: Path, *, batch: int = 32, max_new: int = 128,
                   sample_frac: float = 0.3, temperature: float = 0.8, k: int = 32, seed: int = 0,
                   shard_prompts: int = 256) -> list[Path]:

@@ -1,20 +1,17 @@
-"""Distillation loop: KL(target || draft) on the target's top-k logits, resumable, seeded.
+"""Distilling the independent draft: KL(target || draft) on the target's top-k logits, resumable, seeded.
 
 Data order is a pure function of (seed, step): epoch e uses ``randperm(n, seed + e)``, so a
-resumed run sees exactly the batches an uninterrupted run would. The checkpoint also carries
-the optimizer and all RNG states.
+resumed run sees exactly the batches an uninterrupted run would; the loop, its checkpoint (optimizer
+and all RNG states) and the schedule are ``loop.py``'s, shared with the EAGLE-3 trainer.
 """
 from __future__ import annotations
 
-import math
-import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from .loop import Evaluation, StepResult, run_training
 from .model import DraftModel, save_draft
 from .teacher import Sample
 
@@ -122,20 +119,6 @@ def batch_indices(step: int, n_samples: int, c: TrainConfig) -> list[int]:
     return [int(i) for i in perm[j * c.batch:(j + 1) * c.batch]]
 
 
-def lr_at(step: int, c: TrainConfig) -> float:
-    if step < c.warmup:
-        return c.lr * (step + 1) / c.warmup
-    t = (step - c.warmup) / max(1, c.steps - c.warmup)
-    return c.lr * (c.min_lr_frac + (1 - c.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
-def make_optimizer(model: DraftModel, c: TrainConfig) -> torch.optim.Optimizer:
-    decay = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "embed" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, betas=(0.9, 0.95))
-
-
 @torch.no_grad()
 def heldout_agreement(model: DraftModel, held: list[Sample], sub_index: torch.Tensor, c: TrainConfig) -> dict:
     """Greedy agreement (draft argmax == target argmax) on held-out continuation positions,
@@ -161,73 +144,29 @@ def heldout_agreement(model: DraftModel, held: list[Sample], sub_index: torch.Te
     return {"agree": hit / max(tot, 1), "loss": loss_sum / max(n_batches, 1), "positions": tot}
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-def _set_rng_state(s: dict) -> None:
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-
-
 def train(model: DraftModel, train_s: list[Sample], held: list[Sample], c: TrainConfig, out: Path,
           resume: bool = False, log=print) -> dict:
-    """Run (or resume) training; writes ``out/ckpt.pt`` and the best draft to ``out/best/``."""
+    """Run (or resume) training; writes ``out/ckpt.pt``, the best draft to ``out/best/`` and the latest to
+    ``out/last/``."""
     if len(train_s) < c.batch:
         raise ValueError(f"need at least batch={c.batch} training samples, got {len(train_s)}")
-    out.mkdir(parents=True, exist_ok=True)
     sub_index = head_index(model)
-    opt = make_optimizer(model, c)
-    step, best, history, elapsed = 0, -1.0, [], 0.0
-    ckpt = out / "ckpt.pt"
-    torch.manual_seed(c.seed)
-    random.seed(c.seed)
-    if resume and ckpt.exists():
-        st = torch.load(ckpt, weights_only=False)
-        if st["config"]["seed"] != c.seed:
-            # the data order is a function of the seed: a different one would silently change it
-            raise ValueError(f"--resume with seed {c.seed}, but {ckpt} was trained with seed {st['config']['seed']}")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step, best, history, elapsed = st["step"], st["best"], st["history"], st["elapsed"]
-        if st.get("n_held") != len(held):
-            best = -1.0  # resumed on more data: the held-out set changed, old scores do not compare
-        _set_rng_state(st["rng"])
-        log(f"resumed at step {step}")
-    model.train()
-    t0 = time.time() - elapsed
-    bar = tqdm(total=c.steps, initial=step, desc="distill", dynamic_ncols=True)
-    while step < c.steps:
+
+    def step_loss(step: int) -> StepResult:
         batch = [train_s[i] for i in batch_indices(step, len(train_s), c)]
         ids, tid, tlog, mask, cont = make_batch(batch, sub_index, c.max_len)
         weight = torch.where(cont, 1.0, c.prompt_weight)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, c)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
             logits = model.head_logits(model.hidden(ids))
-        loss = kd_loss(logits, tid, tlog, mask, weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
-        opt.step()
-        step += 1
-        bar.update(1)
-        loss_value = loss.item()
-        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr_at(step - 1, c):.1e}")
-        if step % 10 == 0:
-            history.append({"step": step, "loss": loss_value})
-        if step % c.ckpt_every == 0 or step == c.steps:
-            ev = heldout_agreement(model, held, sub_index, c) if held else {"agree": 0.0, "loss": float("nan")}
-            ev.update(step=step, minutes=(time.time() - t0) / 60)
-            history.append({"eval": ev})
-            log(f"step {step}: held-out agreement {ev['agree']:.4f} kd {ev['loss']:.4f} ({ev['minutes']:.1f} min)")
-            if ev["agree"] > best:
-                best = ev["agree"]
-                save_draft(model, out / "best")
-            save_draft(model, out / "last")
-            st = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
-                  "history": history, "elapsed": time.time() - t0, "n_held": len(held), "rng": _rng_state(), "config": c.__dict__}
-            torch.save(st, ckpt.with_suffix(".tmp"))
-            ckpt.with_suffix(".tmp").replace(ckpt)  # atomic: a kill mid-save keeps the old checkpoint
-    bar.close()
-    return {"step": step, "best_heldout_agreement": best, "minutes": (time.time() - t0) / 60, "history": history}
+        return StepResult(kd_loss(logits, tid, tlog, mask, weight))
+
+    def evaluate() -> Evaluation:
+        ev = heldout_agreement(model, held, sub_index, c) if held else {"agree": 0.0, "loss": float("nan")}
+        return Evaluation(ev["agree"], ev, f"held-out agreement {ev['agree']:.4f} kd {ev['loss']:.4f}")
+
+    summary = run_training(model, c, out, step_loss=step_loss, evaluate=evaluate,
+                           save_best=lambda: save_draft(model, out / "best"),
+                           save_last=lambda: save_draft(model, out / "last"),
+                           held_out_size=len(held), resume=resume, desc="distill", log=log)
+    return {"step": summary["step"], "best_heldout_agreement": summary["best"], "minutes": summary["minutes"],
+            "history": summary["history"]}

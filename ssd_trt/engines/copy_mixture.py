@@ -25,7 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ssd_trt.engines.base import EngineSpec, all_indices
+from ssd_trt.engines.base import all_indices
+from ssd_trt.engines.token_mirror import TokenMirrorEngine
 from ssd_trt.errors import ArtifactError
 
 
@@ -105,26 +106,14 @@ class CopyMixture:
         return logits
 
 
-class CopyMixtureEngine:
-    """A draft engine whose logits are q' (see the module doc). Wraps any backend engine.
-
-    It mirrors the wrapped engine's KV cache with the token ids in its slots, so the context of each
-    new token is known in every step shape the strategies use: chains, right-padded ragged feeds and
-    tree steps (a tree token's context is the cached prefix plus its ancestors under ``tree_mask``).
-    """
+class CopyMixtureEngine(TokenMirrorEngine):
+    """A draft engine whose logits are q' (see the module doc). Wraps any backend engine; the context of
+    each new token comes from the mirrored cache (:class:`~ssd_trt.engines.token_mirror.TokenMirrorEngine`)
+    plus, in a tree step, its ancestors under ``tree_mask``."""
 
     def __init__(self, inner, mixture: CopyMixture) -> None:
-        self.inner, self.mixture = inner, mixture
-        self.spec: EngineSpec = inner.spec
-        self._slots = np.zeros((0, inner.spec.max_context), dtype=np.int64)
-
-    def reset(self, batch: int) -> None:
-        self.inner.reset(batch)
-        self._slots = np.zeros((batch, self.spec.max_context), dtype=np.int64)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self.inner.lengths
+        super().__init__(inner)
+        self.mixture = mixture
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
                 logit_indices: np.ndarray | None = None) -> np.ndarray:
@@ -139,20 +128,7 @@ class CopyMixtureEngine:
         for row in range(batch):
             prefix = self._slots[row, :start[row]]
             for column, i in enumerate(indices[row]):       # only the tokens whose logits are read
-                path = (input_ids[row, :i + 1] if tree_mask is None
-                        else input_ids[row, :i + 1][tree_mask[row, i, :i + 1]])
-                self.mixture.apply(logits[row, column], np.concatenate([prefix, path]))
-            self._slots[row, start[row]:start[row] + steps] = input_ids[row]
+                self.mixture.apply(logits[row, column],
+                                   np.concatenate([prefix, self.visible(input_ids, tree_mask, row, i)]))
+        self._record(input_ids, start)
         return logits
-
-    def rollback(self, lengths: np.ndarray) -> None:
-        self.inner.rollback(lengths)        # slots past the new length are dead; later writes overwrite
-
-    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
-        self.inner.keep(row, start, offsets)
-        self._slots[row, start:start + len(offsets)] = self._slots[row, [start + o for o in offsets]]
-
-    def __getattr__(self, name: str):     # close(), backend-specific extras
-        if name == "inner":               # not set yet (e.g. mid-copy): no recursion through __getattr__
-            raise AttributeError(name)
-        return getattr(self.inner, name)

@@ -42,12 +42,11 @@ window tells every live path apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.engines.base import EngineSpec
 from ssd_trt.engines.limits import MAX_DRAFT_LEN
+from ssd_trt.engines.token_mirror import TokenMirrorEngine
 
 PATH_WINDOW = 4 * MAX_DRAFT_LEN + 4
 
@@ -57,7 +56,7 @@ def takes_target_features(engine) -> bool:
     return bool(getattr(engine, "takes_target_features", False))
 
 
-class FeatureDraftEngine:
+class FeatureDraftEngine(TokenMirrorEngine):
     """Wraps an engine whose step takes ``features``, ``draft_hidden``, ``from_target`` and returns ``hidden``
     (``forward(..., extra=)`` and ``last_hidden`` of ``OrtEngine`` and ``DeviceStepEngine``: ONNX Runtime, TensorRT,
     torch); presents the plain :class:`~ssd_trt.engines.base.Engine` interface."""
@@ -65,26 +64,20 @@ class FeatureDraftEngine:
     takes_target_features = True
 
     def __init__(self, inner, feature_width: int, hidden_size: int) -> None:
-        self.inner, self.feature_width, self.hidden_size = inner, feature_width, hidden_size
-        self.spec: EngineSpec = inner.spec
+        super().__init__(inner)
+        self.feature_width, self.hidden_size = feature_width, hidden_size
         self.fallbacks = 0                       # tokens that carried an ancestor's feature, not their parent's
-        self._slots = np.zeros((0, self.spec.max_context), dtype=np.int64)
         self._target = np.zeros((0, self.spec.max_context, feature_width), dtype=np.float32)
         self._known = np.zeros(0, dtype=np.int64)              # positions 0..known-1 have the target's features
         self._memo: list[dict[tuple[int, bytes], np.ndarray]] = []
 
     def reset(self, batch: int) -> None:
-        self.inner.reset(batch)
-        self._slots = np.zeros((batch, self.spec.max_context), dtype=np.int64)
+        super().reset(batch)
         if self._target.shape[0] != batch:
             self._target = np.zeros((batch, self.spec.max_context, self.feature_width), dtype=np.float32)
         self._known = np.zeros(batch, dtype=np.int64)
         self._memo = [{} for _ in range(batch)]
         self.fallbacks = 0
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self.inner.lengths
 
     def receive_target_features(self, row: int, first: int, features: np.ndarray) -> None:
         """The target verified the tokens at positions ``first`` .. ``first + n - 1`` of ``row`` and computed
@@ -120,8 +113,7 @@ class FeatureDraftEngine:
             prefix = self._slots[row, offset:start[row]]
             row_paths = []
             for i in range(steps):
-                visible = input_ids[row, :i + 1] if tree_mask is None else input_ids[row, :i + 1][tree_mask[row, i, :i + 1]]
-                path = Path(offset, np.concatenate([prefix, visible]))
+                path = Path(offset, np.concatenate([prefix, self.visible(input_ids, tree_mask, row, i)]))
                 position = int(position_ids[row, i])
                 row_paths.append((position, path))
                 from_target[row, i], vector = self._carried(row, position, path)
@@ -133,7 +125,7 @@ class FeatureDraftEngine:
         for row in range(batch):
             for i, (position, path) in enumerate(paths[row]):
                 self._memo[row][path.key(position)] = hidden[row, i].copy()
-            self._slots[row, start[row]:start[row] + steps] = input_ids[row]
+        self._record(input_ids, start)
         return logits
 
     def _carried(self, row: int, position: int, path: "Path") -> tuple[bool, np.ndarray]:
@@ -148,18 +140,6 @@ class FeatureDraftEngine:
                 self.fallbacks += parent != position - 1
                 return False, memo
         return True, np.zeros(self.feature_width, dtype=np.float32)   # the first token: nothing before it
-
-    def rollback(self, lengths: np.ndarray) -> None:
-        self.inner.rollback(lengths)          # slots past the new length are dead; later writes overwrite
-
-    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
-        self.inner.keep(row, start, offsets)
-        self._slots[row, start:start + len(offsets)] = self._slots[row, [start + o for o in offsets]]
-
-    def __getattr__(self, name: str):          # close(), backend-specific extras
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 @dataclass(frozen=True, slots=True)
