@@ -182,10 +182,12 @@ def test_init_from_continues_a_released_head_and_refuses_one_reading_other_layer
     assert not model.embed_tokens.weight.requires_grad
     assert torch.equal(model.draft_token_ids, DRAFT_IDS)
     assert torch.equal(model.fc.weight, released.fc.weight.to(torch.bfloat16).float())
-    c = Eagle3TrainConfig(steps=20, batch=4, lr=1e-2, warmup=2, ckpt_every=20, eval_samples=8, bf16=False)
-    summary = train_eagle3(model, tiny_samples(), tiny_samples(4), c, tmp_path / "run", log=lambda *_: None)
+    c = Eagle3TrainConfig(steps=30, batch=4, lr=1e-2, warmup=2, ckpt_every=30, eval_samples=8, bf16=False)
+    summary = train_eagle3(model, tiny_samples(), tiny_samples(4), c, tmp_path / "run", stop_after=20,
+                           log=lambda *_: None)
     losses = [h["loss"] for h in summary["history"] if "loss" in h]
     assert losses[-1] < losses[0]
+    assert summary["step"] == 20 and summary["history"][-1]["eval"]["step"] == 20   # stopped, evaluated
 
     export_released(init_draft(target, DRAFT_IDS, (1, 3, 4)), tmp_path / "other")
     with pytest.raises(ValueError, match=r"reads target layers \[1, 3, 4\]"):

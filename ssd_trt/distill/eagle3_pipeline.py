@@ -6,8 +6,8 @@ Stages (each cached under --out, so an interrupted run picks up where it stopped
   2. features: one fp32 forward of our Decoder per sequence gives the target's features (layers 2, L/2,
      L-3) and its top-k logits                                          -> OUT/eagle3_features/*.pt
   3. draft vocabulary: train.select_head_ids on the training sequences -> OUT/eagle3_head_ids.pt
-  4. train with training-time test (eagle3_train.py)                   -> OUT/eagle3/{ckpt.pt,best.pt}
-  5. export the released layout, load it back, evaluate against the fp32 target -> OUT/eagle3/best/
+  4. train with training-time test (eagle3_train.py)                   -> OUT/RUN_NAME/{ckpt.pt,best.pt}
+  5. export the released layout, load it back, evaluate against the fp32 target -> OUT/RUN_NAME/best/
   6. copy: fit the weights of the draft's copy component (prompt lookup mixed into q, copy_fit.py) on the
      held-out sequences, teacher-forced with their target features   -> "copy_mixture" in config.json
   7. --export DIR: config.json, model.safetensors and metrics.json there.
@@ -55,13 +55,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test steps")
     ap.add_argument("--step-decay", type=float, default=0.8, help="loss weight of unrolled step s: decay**s")
     ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="end after this many steps of the --steps schedule (its learning rate unchanged)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every stage")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--resume", action="store_true", help="continue training from OUT/eagle3/ckpt.pt")
+    ap.add_argument("--resume", action="store_true", help="continue training from OUT/RUN_NAME/ckpt.pt")
+    ap.add_argument("--run-name", default="eagle3",
+                    help="subdirectory of OUT for this training run's checkpoints (several runs share OUT's data)")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="start from this released-layout head (its weights and draft vocabulary) instead of "
                          "the target's head on a random layer: continued training, with a fresh optimizer")
@@ -79,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompts", "max_new", "topk", "head_size", "ttt_steps", "steps", "batch", "threads"):
         if getattr(a, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if a.stop_after is not None and not 0 < a.stop_after <= a.steps:
+        raise ValueError(f"--stop-after must be in 1..--steps ({a.steps}), got {a.stop_after}")
+    if not a.run_name or a.run_name in (".", "..") or "/" in a.run_name:
+        raise ValueError(f"--run-name must be a plain directory name, got {a.run_name!r}")
     if a.magpie < 0 or not 0 < a.step_decay <= 1:
         raise ValueError("--magpie must be >= 0 and --step-decay in (0, 1]")
     return a
@@ -194,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         draft = init_draft(target, head_ids, default_feature_layers(layers), seed=a.seed)
     tc = Eagle3TrainConfig(steps=a.steps, batch=a.batch, lr=a.lr, warmup=a.warmup, seed=a.seed,
                            ckpt_every=a.ckpt_every, ttt_steps=a.ttt_steps, step_decay=a.step_decay, bf16=not a.fp32)
-    run_dir = a.out / "eagle3"
-    summary = train_eagle3(draft, train_s, held, tc, run_dir, resume=a.resume)
+    run_dir = a.out / a.run_name
+    summary = train_eagle3(draft, train_s, held, tc, run_dir, resume=a.resume, stop_after=a.stop_after)
     draft.load_state_dict(torch.load(run_dir / "best.pt"))
 
     # evaluate exactly what ships: the bf16 export, loaded back through the released-layout loader
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                train_config=tc.__dict__, args={k: str(v) for k, v in vars(a).items()},
                total_minutes=(time.time() - t_start) / 60)
     (run_dir / "metrics.json").write_text(json.dumps(res, indent=2))
-    (a.out / "eagle3_train_history.json").write_text(json.dumps(summary["history"]))
+    (run_dir / "train_history.json").write_text(json.dumps(summary["history"]))
     print(json.dumps({k: res["agreement"][k] for k in ("all", "chat_template", "plain_text")}, indent=2))
     print(json.dumps(res["cost"], indent=2))
     if a.export is not None:

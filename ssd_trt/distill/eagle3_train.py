@@ -246,7 +246,8 @@ def heldout_agreement(model: Eagle3Draft, held: list[FeatureSample], c: Eagle3Tr
 # ---- the loop -----------------------------------------------------------------------------------------------------
 
 def train_eagle3(model: Eagle3Draft, train_s: list[FeatureSample], held: list[FeatureSample],
-                 c: Eagle3TrainConfig, out: Path, resume: bool = False, log=print) -> dict:
+                 c: Eagle3TrainConfig, out: Path, resume: bool = False, stop_after: int | None = None,
+                 log=print) -> dict:
     """Run (or resume from ``out/ckpt.pt``) training (``loop.run_training``); the best state by held-out
     step-0 agreement goes to ``out/best.pt``."""
     if len(train_s) < c.batch:
@@ -265,7 +266,8 @@ def train_eagle3(model: Eagle3Draft, train_s: list[FeatureSample], held: list[Fe
 
     summary = run_training(model, c, out, step_loss=step_loss, evaluate=evaluate,
                            save_best=lambda: torch.save(model.state_dict(), out / "best.pt"),
-                           held_out_size=len(held), resume=resume, desc="eagle3 ttt", log=log)
+                           held_out_size=len(held), resume=resume, stop_after=stop_after, desc="eagle3 ttt",
+                           log=log)
     return {"step": summary["step"], "best_heldout_step0_agreement": summary["best"],
             "minutes": summary["minutes"], "history": summary["history"]}
 

