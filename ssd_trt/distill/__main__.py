@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .copy_fit import fit_copy_mixture, independent_draft_logits, read_copy_mixture, write_copy_mixture
+from .copy_fit import add_copy_arguments, fit_and_store, independent_draft_logits, read_copy_mixture
 from .corpora import load_corpora
 from .model import DraftConfig, DraftModel, copy_draft_weights, init_from_target, load_draft
 from .prompts import build_prompts
@@ -95,11 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-max-new", type=int, default=64)
     ap.add_argument("--eval-only", type=Path, default=None, help="evaluate this draft directory and exit")
     ap.add_argument("--export", type=Path, default=None, help="copy the best draft + metrics here")
-    ap.add_argument("--no-copy", action="store_true",
-                    help="do not fit the draft's copy component (prompt-lookup mixture, copy_fit.py)")
-    ap.add_argument("--copy-max-ngram", type=int, default=8, help="longest suffix the copy component matches")
-    ap.add_argument("--fit-copy-only", type=Path, default=None,
-                    help="fit the copy component of this draft directory on the teacher data in OUT, evaluate, exit")
+    add_copy_arguments(ap, "fit the copy component of this draft directory on the teacher data in OUT, evaluate, exit")
     a = ap.parse_args(argv)
     if a.magpie < 0 or (a.derived is not None and a.derived < 0):
         raise ValueError("--magpie and --derived must be >= 0")
@@ -121,11 +117,7 @@ def run_eval(a: argparse.Namespace, draft_dir: Path, target=None, tok=None) -> d
 
 
 def fit_copy(a: argparse.Namespace, held, draft_dir: Path) -> dict:
-    mixture, summary = fit_copy_mixture(independent_draft_logits(load_draft(draft_dir)), held, a.copy_max_ngram)
-    write_copy_mixture(draft_dir, mixture)
-    print(f"copy component: held-out greedy agreement {summary['greedy_agreement_draft']:.3f} -> "
-          f"{summary['greedy_agreement_with_copy']:.3f}, weights {summary['weights']}")
-    return summary
+    return fit_and_store(independent_draft_logits(load_draft(draft_dir)), held, draft_dir, a.copy_max_ngram)
 
 
 def fit_copy_only(a: argparse.Namespace) -> None:

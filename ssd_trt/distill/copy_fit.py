@@ -10,6 +10,7 @@ Positions with different n do not interact, so a grid search per n is exact.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,23 @@ def fit_copy_mixture(logits_of: SequenceLogits, held: list[Sample], max_ngram: i
                "greedy_agreement_with_copy": (draft_right + gained) / max(total, 1),
                "weights": [round(w, 4) for w in weights]}
     return CopyMixture(tuple(weights)), summary
+
+
+def add_copy_arguments(ap: argparse.ArgumentParser, fit_only_help: str) -> None:
+    """The copy component's options, the same for every kind of draft the distill pipelines train."""
+    ap.add_argument("--no-copy", action="store_true",
+                    help="do not fit the draft's copy component (prompt-lookup mixture, copy_fit.py)")
+    ap.add_argument("--copy-max-ngram", type=int, default=8, help="longest suffix the copy component matches")
+    ap.add_argument("--fit-copy-only", type=Path, default=None, help=fit_only_help)
+
+
+def fit_and_store(logits_of: SequenceLogits, held: list[Sample], draft_dir: Path, max_ngram: int) -> dict:
+    """Fit the copy weights on ``held`` and store them in ``draft_dir``/config.json (the build reads them)."""
+    mixture, summary = fit_copy_mixture(logits_of, held, max_ngram)
+    write_copy_mixture(draft_dir, mixture)
+    print(f"copy component: held-out greedy agreement {summary['greedy_agreement_draft']:.3f} -> "
+          f"{summary['greedy_agreement_with_copy']:.3f}, weights {summary['weights']}")
+    return summary
 
 
 def write_copy_mixture(draft_dir: Path, mixture: CopyMixture) -> None:

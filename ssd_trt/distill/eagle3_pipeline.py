@@ -25,7 +25,7 @@ import torch
 
 from ssd_trt.models.eagle3 import Eagle3Draft, default_feature_layers, load_eagle3_checkpoint
 
-from .copy_fit import fit_copy_mixture, write_copy_mixture
+from .copy_fit import add_copy_arguments, fit_and_store
 from .corpora import load_corpora
 from .eagle3_data import as_teacher_samples, featurize_shards, load_feature_samples, load_featured_target
 from .eagle3_eval import evaluate_eagle3
@@ -74,11 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-max-new", type=int, default=64)
     ap.add_argument("--eval-only", type=Path, default=None, help="evaluate this exported draft directory and exit")
     ap.add_argument("--export", type=Path, default=None, help="copy the best draft + metrics here")
-    ap.add_argument("--no-copy", action="store_true",
-                    help="do not fit the draft's copy component (prompt-lookup mixture, copy_fit.py)")
-    ap.add_argument("--copy-max-ngram", type=int, default=8, help="longest suffix the copy component matches")
-    ap.add_argument("--fit-copy-only", type=Path, default=None,
-                    help="fit the copy component of this exported head on OUT's held-out sequences and exit")
+    add_copy_arguments(ap, "fit the copy component of this exported head on OUT's held-out sequences and exit")
     a = ap.parse_args(argv)
     for name in ("prompts", "max_new", "topk", "head_size", "ttt_steps", "steps", "batch", "threads"):
         if getattr(a, name) <= 0:
@@ -144,12 +140,8 @@ def stored_feature_shards(out: Path) -> list[Path]:
 
 
 def fit_copy(draft: Eagle3Draft, held: list, head_dir: Path, max_ngram: int) -> dict:
-    """Fit the copy weights on ``held`` and store them in ``head_dir``/config.json (the build reads them)."""
-    mixture, summary = fit_copy_mixture(lambda s: teacher_forced_logits(draft, s.ids, s.features), held, max_ngram)
-    write_copy_mixture(head_dir, mixture)
-    print(f"copy component: held-out greedy agreement {summary['greedy_agreement_draft']:.3f} -> "
-          f"{summary['greedy_agreement_with_copy']:.3f}, weights {summary['weights']}")
-    return summary
+    """Fit the copy weights on ``held``, each sequence teacher-forced with its stored target features."""
+    return fit_and_store(lambda s: teacher_forced_logits(draft, s.ids, s.features), held, head_dir, max_ngram)
 
 
 def fit_copy_only(a: argparse.Namespace, target) -> None:
