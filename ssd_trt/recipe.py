@@ -47,7 +47,8 @@ class DraftSpec(ModelSpec):
     """The draft: an independent model (tokens only), or a feature draft that reads the target's hidden states."""
     kind: Literal["independent", "eagle3"] = Field(
         "independent", description="independent: a small LM of its own (HF checkpoint or GGUF); eagle3: an EAGLE-3 "
-                                   "head in the released layout (config.json + fc/midlayer/norm/lm_head/d2t/t2d; "
+                                   "head in the released layout (config.json + fc/midlayer/norm/lm_head/d2t/t2d, "
+                                   "optionally extra_layers; "
                                    "models/eagle3.py) that reads the target's features, on the target's tokenizer "
                                    "and embedding")
 

@@ -3,19 +3,21 @@
 The unrolled training forward is checked against what the draft computes at decode time: for every
 position and unrolled step, ``Eagle3Draft.forward`` run sequentially with the ``ssd::tree_attention`` cache
 (a target-featured prefill, then tokens carrying the draft's own output). A mask that lets a chain see one
-target-featured token too many must fail that check. A tiny run overfits; the export loads back through
-``load_eagle3_checkpoint`` computing the same logits.
+target-featured token too many must fail that check; a two-layer draft is checked the same way. A tiny run
+overfits; the export loads back through ``load_eagle3_checkpoint`` computing the same logits. A draft deepened
+by identity-starting layers computes what it computed before.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from plugins.tree_attention.reference import causal_tree_mask, tree_attention_reference
 from ssd_trt.distill.eagle3_data import FeatureSample, draft_vocabulary
-from ssd_trt.distill.eagle3_train import Eagle3TrainConfig, export_released, init_draft, masked_sdpa, \
+from ssd_trt.distill.eagle3_train import Eagle3TrainConfig, deepen, export_released, init_draft, masked_sdpa, \
     train_eagle3, ttt_mask, unrolled_forward
 from ssd_trt.models.config import DecoderConfig
 from ssd_trt.models.decoder import Decoder
@@ -34,8 +36,8 @@ def tiny_target(layers: int = TARGET_LAYERS) -> Decoder:
     return Decoder(config).eval()
 
 
-def tiny_draft(seed: int = 1):
-    model = init_draft(tiny_target(), DRAFT_IDS, (1, 3, 4), seed=seed)
+def tiny_draft(seed: int = 1, layers: int = 1):
+    model = init_draft(tiny_target(), DRAFT_IDS, (1, 3, 4), seed=seed, num_layers=layers)
     with torch.no_grad():   # random norms so a wrong pairing of norm and input cannot cancel out
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -48,17 +50,17 @@ def sequential_logits(model, ids, features, j: int, steps: int) -> list[torch.Te
     cache, then tokens j+1..j+steps-1 each carrying the draft's own last output. Logits on the draft vocab."""
     caches = model.empty_caches(1, 64)
     n = j
-    logits, hidden, k, v = model(ids[None, 1:j + 1], torch.arange(1, j + 1)[None],
-                                 torch.from_numpy(causal_tree_mask(1, n)), torch.zeros(1, dtype=torch.int32),
-                                 features[None, :j], torch.zeros(1, n, HIDDEN), torch.ones(1, n, dtype=torch.bool),
-                                 *caches)
+    logits, hidden, *caches = model(ids[None, 1:j + 1], torch.arange(1, j + 1)[None],
+                                    torch.from_numpy(causal_tree_mask(1, n)), torch.zeros(1, dtype=torch.int32),
+                                    features[None, :j], torch.zeros(1, n, HIDDEN),
+                                    torch.ones(1, n, dtype=torch.bool), *caches)
     out = [logits[0, -1, model.draft_token_ids]]
     last = hidden[:, -1:]
     for s in range(1, steps):
         p = j + s
-        logits, last, k, v = model(ids[None, p:p + 1], torch.tensor([[p]]), torch.from_numpy(causal_tree_mask(1, 1)),
-                                   torch.tensor([p - 1], dtype=torch.int32), torch.zeros(1, 1, 3 * HIDDEN), last,
-                                   torch.zeros(1, 1, dtype=torch.bool), k, v)
+        logits, last, *caches = model(ids[None, p:p + 1], torch.tensor([[p]]),
+                                      torch.from_numpy(causal_tree_mask(1, 1)), torch.tensor([p - 1], dtype=torch.int32),
+                                      torch.zeros(1, 1, 3 * HIDDEN), last, torch.zeros(1, 1, dtype=torch.bool), *caches)
         out.append(logits[0, -1, model.draft_token_ids])
     return out
 
@@ -68,8 +70,8 @@ def random_sequence(T: int = 12, seed: int = 2):
     return torch.randint(0, VOCAB, (T,), generator=gen), torch.randn(T, 3 * HIDDEN, generator=gen)
 
 
-def max_mismatch(mask_fn=ttt_mask, steps: int = 3) -> float:
-    model = tiny_draft()
+def max_mismatch(mask_fn=ttt_mask, steps: int = 3, layers: int = 1) -> float:
+    model = tiny_draft(layers=layers)
     ids, features = random_sequence()
     with torch.no_grad():
         unrolled = unrolled_forward(model, ids[None], features[None], steps, mask_fn)
@@ -92,18 +94,20 @@ def test_masked_sdpa_equals_the_tree_attention_op():
     assert torch.allclose(masked_sdpa(q, keys, values, mask, 0.35), want, atol=1e-5)
 
 
-def test_each_unrolled_step_equals_sequential_decoding_with_the_tree_attention_cache():
-    assert max_mismatch() < 1e-4
+@pytest.mark.parametrize("layers", [1, 2])
+def test_each_unrolled_step_equals_sequential_decoding_with_the_tree_attention_cache(layers):
+    assert max_mismatch(layers=layers) < 1e-4
 
 
-def test_a_mask_that_lets_the_chain_see_a_later_target_featured_token_fails_the_check():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_mask_that_lets_the_chain_see_a_later_target_featured_token_fails_the_check(layers):
     def leaky(rows, step, device=None):     # the prefix reaches one row further than the chain's start
         mask = ttt_mask(rows, step, device)
         b = torch.arange(rows)[:, None]
         if step:
             mask[:, :rows] |= torch.arange(rows)[None, :] == b - step + 1
         return mask
-    assert max_mismatch(leaky) > 1e-2
+    assert max_mismatch(leaky, layers=layers) > 1e-2
 
 
 def test_step_zero_of_the_ttt_mask_is_causal_and_later_steps_read_one_key_per_chain_token():
@@ -170,8 +174,6 @@ def test_kind_eagle3_dispatches_to_its_own_pipeline_and_independent_stays_the_de
 
 
 def test_init_from_continues_a_released_head_and_refuses_one_reading_other_layers(tmp_path):
-    import pytest
-
     from ssd_trt.distill.eagle3_pipeline import warm_start
     from ssd_trt.models.eagle3 import default_feature_layers
 
@@ -192,6 +194,36 @@ def test_init_from_continues_a_released_head_and_refuses_one_reading_other_layer
     export_released(init_draft(target, DRAFT_IDS, (1, 3, 4)), tmp_path / "other")
     with pytest.raises(ValueError, match=r"reads target layers \[1, 3, 4\]"):
         warm_start(tmp_path / "other", target)
+
+
+def test_a_deepened_draft_starts_where_the_shallow_one_was_and_exports_its_extra_layers(tmp_path):
+    shallow = tiny_draft()
+    deep = deepen(shallow, 3, seed=4)
+    assert deep.config.layer.num_layers == 3 and len(deep.extra_layers) == 2
+    assert not deep.embed_tokens.weight.requires_grad
+    ids, features = random_sequence()
+    with torch.no_grad():
+        want = unrolled_forward(shallow, ids[None], features[None], 3)
+        got = unrolled_forward(deep, ids[None], features[None], 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))    # zero output projections: exactly the same
+    with torch.no_grad():   # the new layers trained a little: the export must carry them
+        for layer in deep.extra_layers:
+            layer.self_attn.o_proj.weight.normal_(0, 0.2)
+            layer.mlp.down_proj.weight.normal_(0, 0.2)
+        for p in deep.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    export_released(deep, tmp_path / "deep")
+    config = json.loads((tmp_path / "deep" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3
+    loaded = load_eagle3_checkpoint(tmp_path / "deep", TARGET_LAYERS, deep.embed_tokens.weight.detach())
+    with torch.no_grad():
+        want = unrolled_forward(deep, ids[None], features[None], 2)
+        got = unrolled_forward(loaded, ids[None], features[None], 2)
+        shallow_out = unrolled_forward(shallow, ids[None], features[None], 2)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+    assert not torch.allclose(got[0], shallow_out[0], atol=1e-3)   # the extra layers are really applied
+    with pytest.raises(ValueError, match="cannot deepen a 3-layer draft to 2"):
+        deepen(deep, 2)
 
 
 def test_teacher_forced_logits_are_step_0_in_the_full_vocabulary_and_feed_the_copy_fit():

@@ -34,13 +34,14 @@ GREEDY = SamplingParams(max_new_tokens=32, stop_on_eos=False)
 HIDDEN, DRAFT_VOCAB, FEATURE_LAYERS = 64, 128, (0, 1, 2)
 
 
-def write_feature_head(directory, target, seed: int = 7):
-    """An EAGLE-3 head for ``target`` in the released layout, random weights; draft vocabulary: even token ids."""
+def write_feature_head(directory, target, seed: int = 7, layers: int = 1):
+    """An EAGLE-3 head for ``target`` in the released layout (``layers`` > 1: with extra decoder layers), random
+    weights; draft vocabulary: even token ids."""
     from ssd_trt.models.eagle3 import Eagle3Config, released_shapes
     c = target.config
     hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
           "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
-          "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+          "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": layers,
           "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size,
           "draft_vocab_size": DRAFT_VOCAB, "max_position_embeddings": c.max_position_embeddings,
           "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(FEATURE_LAYERS)}}
@@ -62,15 +63,15 @@ def write_feature_head(directory, target, seed: int = 7):
     return directory
 
 
-def build_feature_pair(root, copy_weights: list[float] | None = None):
-    """(build dir, torch target, torch draft) of a tiny target with an EAGLE-3 head, built for max batch 64;
-    with ``copy_weights`` the head's config also carries a copy component."""
+def build_feature_pair(root, copy_weights: list[float] | None = None, layers: int = 1):
+    """(build dir, torch target, torch draft) of a tiny target with an EAGLE-3 head of ``layers`` layers, built
+    for max batch 64; with ``copy_weights`` the head's config also carries a copy component."""
     from ssd_trt.build import build
     from ssd_trt.models.eagle3 import load_eagle3_checkpoint
     target = random_decoder(tiny_config(layers=3), seed=5)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.5)     # several tokens carry mass, so sampling filters bite (TV test)
-    head = write_feature_head(root / "head", target)
+    head = write_feature_head(root / "head", target, layers=layers)
     if copy_weights is not None:
         config = json.loads((head / "config.json").read_text())
         (head / "config.json").write_text(json.dumps({**config, "copy_mixture": {"weights": copy_weights}}))
@@ -297,3 +298,21 @@ def test_the_copy_component_works_on_top_of_a_feature_draft(tmp_path):
         gen = ssd_trt.load(build, options)
         reference = [r.token_ids for r in gen.generate_ids(PROMPTS[:4], GREEDY, mode="ar")]
         assert [r.token_ids for r in gen.generate_ids(PROMPTS[:4], GREEDY, mode=mode)] == reference
+
+
+def test_a_two_layer_feature_draft_builds_and_every_mode_stays_exact(tmp_path):
+    """Item 5's larger draft: a head with an extra decoder layer exports with one cache pair per layer, its graph
+    passes validation against the torch module, and SD chains, SD trees and SSD stay token-identical to AR."""
+    from ssd_trt.manifest import read_manifest
+    build, _, draft = build_feature_pair(tmp_path, layers=2)
+    manifest = read_manifest(build)
+    assert draft.config.layer.num_layers == 2
+    assert manifest.model("draft").config.num_layers == 2 and manifest.validation["draft"]["passed"]
+    for mode, options in (("sd", RuntimeOptions(draft_len=3)),
+                          ("sd", RuntimeOptions(draft_len=2, tree_widths=(2, 2, 1))),
+                          ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8}))):
+        gen = ssd_trt.load(build, options)
+        assert gen.engine("draft").inner.spec.num_layers == 2
+        reference = [r.token_ids for r in gen.generate_ids(PROMPTS, GREEDY, mode="ar")]
+        results = gen.generate_ids(PROMPTS, GREEDY, mode=mode)
+        assert [r.token_ids for r in results] == reference and results[0].stats["rounds"] > 0

@@ -186,14 +186,16 @@ def test_tiny_plans_are_built_and_recorded(tiny_rtx):
 
 
 @needs_rtx
-def test_a_feature_pair_gets_plans_for_both_models(tmp_path):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_feature_pair_gets_plans_for_both_models(tmp_path, layers):
     """Issue 19 on TensorRT for RTX: the target's plan returns its features, the EAGLE-3 draft's plan takes them
-    (and its own carried hidden, and which of the two each token carries) with every profile covering them."""
+    (and its own carried hidden, and which of the two each token carries) with every profile covering them;
+    a two-layer draft (item 5) binds one cache pair per layer."""
     import yaml
 
     from tests.test_feature_draft import write_feature_head
     target = random_decoder(tiny_config(layers=3), seed=5)
-    head = write_feature_head(tmp_path / "head", target)
+    head = write_feature_head(tmp_path / "head", target, layers=layers)
     recipe = write_recipe(tmp_path / "f.yaml", save_hf_checkpoint(target, tmp_path / "target"), head,
                           name="tiny-feature-rtx", backend="auto", tensorrt="rtx", compute_capabilities=["sm86"],
                           trt_precision="fp16", max_context=128, max_tree_size=64)
@@ -211,6 +213,8 @@ def test_a_feature_pair_gets_plans_for_both_models(tmp_path):
         low, _, high = profile.shapes["features"]
         assert low[2] == high[2] == 3 * 64 and profile.shapes["from_target"][2] == high[:2]
         assert profile.shapes["draft_hidden"][2] == high[:2] + [64]
+        assert {name for name in profile.shapes if name.startswith("past_key_")} == \
+            {f"past_key_{i}" for i in range(layers)}
 
 
 @needs_rtx

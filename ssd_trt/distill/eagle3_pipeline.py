@@ -29,7 +29,8 @@ from .copy_fit import add_copy_arguments, fit_and_store
 from .corpora import load_corpora
 from .eagle3_data import as_teacher_samples, featurize_shards, load_feature_samples, load_featured_target
 from .eagle3_eval import evaluate_eagle3
-from .eagle3_train import Eagle3TrainConfig, export_released, init_draft, teacher_forced_logits, train_eagle3
+from .eagle3_train import Eagle3TrainConfig, deepen, export_released, init_draft, teacher_forced_logits, \
+    train_eagle3
 from .evaluate import load_prompt_file
 from .prompts import build_prompts
 from .teacher import EMBEDDED_TARGET, TEACHER_DIRS, label_prompts, load_samples
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--stop-after", type=int, default=None,
                     help="end after this many steps of the --steps schedule (its learning rate unchanged)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of the draft (default 1; with --init-from, the head's own count, or more: "
+                         "the head is deepened by layers that start as the identity)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
@@ -83,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError(f"--stop-after must be in 1..--steps ({a.steps}), got {a.stop_after}")
     if not a.run_name or a.run_name in (".", "..") or "/" in a.run_name:
         raise ValueError(f"--run-name must be a plain directory name, got {a.run_name!r}")
+    if a.layers is not None and a.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {a.layers}")
     if a.magpie < 0 or not 0 < a.step_decay <= 1:
         raise ValueError("--magpie must be >= 0 and --step-decay in (0, 1]")
     return a
@@ -188,10 +194,12 @@ def main(argv: list[str] | None = None) -> None:
 
     if a.init_from is not None:
         draft = warm_start(a.init_from, target)
+        if a.layers is not None:
+            draft = deepen(draft, a.layers, seed=a.seed)
         torch.save(draft.draft_token_ids.clone(), a.out / "eagle3_head_ids.pt")
     else:
         head_ids = draft_vocabulary_ids(a, train_s, tok, target.config.vocab_size)
-        draft = init_draft(target, head_ids, default_feature_layers(layers), seed=a.seed)
+        draft = init_draft(target, head_ids, default_feature_layers(layers), seed=a.seed, num_layers=a.layers or 1)
     tc = Eagle3TrainConfig(steps=a.steps, batch=a.batch, lr=a.lr, warmup=a.warmup, seed=a.seed,
                            ckpt_every=a.ckpt_every, ttt_steps=a.ttt_steps, step_decay=a.step_decay, bf16=not a.fp32)
     run_dir = a.out / a.run_name

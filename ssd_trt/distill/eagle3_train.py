@@ -64,11 +64,12 @@ class Eagle3TrainConfig:
 # ---- the model ---------------------------------------------------------------------------------------------------
 
 def init_draft(target: Decoder, draft_target_ids: torch.Tensor, feature_layers: tuple[int, int, int],
-               seed: int = 0) -> Eagle3Draft:
-    """A one-layer EAGLE-3 draft at the target's width and heads. The embedding is the target's (frozen:
-    the runtime shares it); the head starts from the target's output rows of the draft vocabulary and the
-    final norm from the target's, so step 0 starts as "the target's head on a random layer's output"."""
-    layer = dataclasses.replace(target.config, num_layers=1, tie_word_embeddings=False, head_vocab_size=None)
+               seed: int = 0, num_layers: int = 1) -> Eagle3Draft:
+    """An EAGLE-3 draft of ``num_layers`` layers at the target's width and heads. The embedding is the target's
+    (frozen: the runtime shares it); the head starts from the target's output rows of the draft vocabulary and
+    the final norm from the target's, so step 0 starts as "the target's head on a random layer's output"."""
+    layer = dataclasses.replace(target.config, num_layers=num_layers, tie_word_embeddings=False,
+                                head_vocab_size=None)
     torch.manual_seed(seed)
     model = Eagle3Draft(Eagle3Config(layer=layer, draft_vocab_size=len(draft_target_ids),
                                      feature_layers=feature_layers))
@@ -81,6 +82,29 @@ def init_draft(target: Decoder, draft_target_ids: torch.Tensor, feature_layers: 
         model.norm.weight.copy_(target.norm.weight)
     model.embed_tokens.weight.requires_grad_(False)
     return model
+
+
+def deepen(model: Eagle3Draft, num_layers: int, seed: int = 0) -> Eagle3Draft:
+    """``model`` with extra decoder layers appended up to ``num_layers``, computing exactly what ``model``
+    computes: each new layer's two output projections (o_proj, down_proj) start at zero, so it adds nothing
+    to the residual stream until training moves them (the other weights start random, as in ``init_draft``,
+    and receive gradients as soon as those projections are non-zero). A larger draft grown from a trained
+    one starts at its agreement instead of from scratch."""
+    have = model.config.layer.num_layers
+    if num_layers < have:
+        raise ValueError(f"cannot deepen a {have}-layer draft to {num_layers} layers")
+    config = dataclasses.replace(model.config, layer=dataclasses.replace(model.config.layer, num_layers=num_layers))
+    torch.manual_seed(seed)
+    grown = Eagle3Draft(config)
+    with torch.no_grad():
+        missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+        if unexpected or any(not name.startswith("extra_layers.") for name in missing):
+            raise RuntimeError(f"deepen: the grown draft's tensors do not extend the old ones ({missing}, {unexpected})")
+        for layer in list(grown.extra_layers)[have - 1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    grown.embed_tokens.weight.requires_grad_(False)
+    return grown
 
 
 # ---- the unrolled forward -----------------------------------------------------------------------------------------
@@ -111,7 +135,7 @@ def masked_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
 
 
 class UnrolledAttention:
-    """The ``attention`` callable of the draft's layer for one unrolled forward: it keeps every step's keys
+    """The ``attention`` callable of one draft layer for one unrolled forward: it keeps every step's keys
     and values and lets step s read them through ``mask_fn(rows, s)`` (:func:`ttt_mask`). The cache arguments
     of the tree-attention signature are passed through untouched (training has no cache)."""
 
@@ -130,14 +154,14 @@ class UnrolledAttention:
 
 
 def draft_step(model: Eagle3Draft, ids: torch.Tensor, positions: torch.Tensor, carried: torch.Tensor,
-               attention) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits over the draft vocabulary [B, T, D], output hidden [B, T, H]) of the draft's layer for tokens
+               attentions: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits over the draft vocabulary [B, T, D], output hidden [B, T, H]) of the draft's layers for tokens
     that already carry their features: ``Eagle3Draft.forward`` without the cache and without scattering the
     logits into the full vocabulary (a [B, T, V] tensor per step would dominate training memory)."""
     embeds = model.embed_tokens(ids)
     cos, sin = rotary_tables(positions, model.inv_freq, embeds.dtype)
-    empty = embeds.new_zeros(0)
-    out, _, _ = model.midlayer(embeds, carried, cos, sin, None, None, empty, empty, attention)
+    empty = [embeds.new_zeros(0)] * (2 * model.config.layer.num_layers)
+    out, _ = model.layers_forward(embeds, carried, cos, sin, None, None, empty, attentions)
     return model.lm_head(model.norm(out)), out
 
 
@@ -145,13 +169,13 @@ def unrolled_forward(model: Eagle3Draft, ids: torch.Tensor, features: torch.Tens
                      mask_fn: MaskFn = ttt_mask) -> list[torch.Tensor]:
     """Draft-vocabulary logits [B, T-1, D] of each of ``steps`` unrolled steps over ``ids`` [B, T] with
     target ``features`` [B, T, 3H]; row b of every step predicts token b + 2 (see the module docstring)."""
-    attention = UnrolledAttention(mask_fn)
+    attentions = [UnrolledAttention(mask_fn) for _ in range(model.config.layer.num_layers)]
     tokens = ids[:, 1:]
     positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand_as(tokens)
     carried = model.fc(features[:, :-1].to(model.fc.weight.dtype))
     logits = []
     for _ in range(steps):
-        step_logits, out = draft_step(model, tokens, positions, carried, attention)
+        step_logits, out = draft_step(model, tokens, positions, carried, attentions)
         logits.append(step_logits)
         # the next step's row b carries this step's output at row b - 1 (row 0 has none: it is masked out)
         carried = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)
@@ -280,7 +304,7 @@ def released_config(model: Eagle3Draft, target_name: str = "") -> dict:
     return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-            "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "num_hidden_layers": c.num_layers, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
             "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
             "draft_vocab_size": model.config.draft_vocab_size, "bos_token_id": c.bos_token_id,
             "eos_token_id": c.eos_token_id, "tie_word_embeddings": False, "attention_bias": c.attention_bias,
@@ -304,6 +328,6 @@ def export_released(model: Eagle3Draft, directory: Path, target_name: str = "") 
 
 
 def macs_per_token(model: Eagle3Draft) -> int:
-    """Multiply-accumulates of one draft token (fc, the layer's linears, the reduced head)."""
+    """Multiply-accumulates of one draft token (fc, the layers' linears, the reduced head)."""
     return sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and n != "embed_tokens.weight")
 

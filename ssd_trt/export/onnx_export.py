@@ -120,22 +120,25 @@ class _Eagle3StepGraph(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, position_ids, tree_mask, cache_lengths, logit_indices, features, draft_hidden,
-                from_target, key_cache, value_cache):
-        logits, hidden, key_cache, value_cache = self.model(
-            input_ids, position_ids, tree_mask, cache_lengths, features, draft_hidden, from_target, key_cache,
-            value_cache, logit_indices=logit_indices)
-        return logits, key_cache, value_cache, hidden
+                from_target, *caches):
+        logits, hidden, *new_caches = self.model(
+            input_ids, position_ids, tree_mask, cache_lengths, features, draft_hidden, from_target, *caches,
+            logit_indices=logit_indices)
+        return (logits, *new_caches, hidden)
 
 
 def trace_eagle3_step_graph(model) -> onnx.ModelProto:
     """The step graph of an :class:`~ssd_trt.models.eagle3.Eagle3Draft`: the decoder step's inputs plus each
     token's target features [B,T,3H], the draft's own carried hidden [B,T,H] and which of the two it carries
-    [B,T] bool; outputs the logits, the one layer's caches and the output hidden [B,T,H]."""
+    [B,T] bool; outputs the logits, each draft layer's caches and the output hidden [B,T,H]."""
     model = with_named_weights(model)
     batch, num_new, capacity, width = 2, 3, 8, model.config.layer.hidden_size
-    inputs = [*GRAPH_INPUTS, *EAGLE3_INPUTS, *past_names(0)]
-    outputs = [GRAPH_OUTPUT_LOGITS, *present_names(0), EAGLE3_OUTPUT_HIDDEN]
-    dynamic = {**STEP_DYNAMIC_AXES, **{name: CACHE_AXES for name in (*past_names(0), *present_names(0))},
+    layers = range(model.config.layer.num_layers)
+    past = [name for i in layers for name in past_names(i)]
+    present = [name for i in layers for name in present_names(i)]
+    inputs = [*GRAPH_INPUTS, *EAGLE3_INPUTS, *past]
+    outputs = [GRAPH_OUTPUT_LOGITS, *present, EAGLE3_OUTPUT_HIDDEN]
+    dynamic = {**STEP_DYNAMIC_AXES, **{name: CACHE_AXES for name in (*past, *present)},
                **{name: {0: "batch", 1: "new_tokens"} for name in (*EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN)}}
     dtype = model.embed_tokens.weight.dtype         # features and hidden in the model's precision
     args = (*_step_args(batch, num_new), torch.zeros(batch, num_new, 3 * width, dtype=dtype),

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from plugins.tree_attention.reference import pack_tree_mask
-from ssd_trt.engines.base import GRAPH_INPUTS
+from ssd_trt.engines.base import GRAPH_INPUTS, past_names, present_names
 from ssd_trt.export.onnx_export import io_names
 from ssd_trt.models.config import DecoderConfig
 from ssd_trt.models.decoder import Decoder
@@ -154,13 +154,15 @@ def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]],
                      draft_hidden=rng.standard_normal((batch, num_new, c.hidden_size)).astype(np.float32),
                      from_target=rng.random((batch, num_new)) < 0.5)
         got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        layers = range(c.num_layers)
         with torch.no_grad():
             t = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in feeds.items()}
-            logits, hidden, keys, values = model(t["input_ids"], t["position_ids"], t["tree_mask"], t["cache_lengths"],
-                                                 t["features"], t["draft_hidden"], t["from_target"], t["past_key_0"],
-                                                 t["past_value_0"], logit_indices=t["logit_indices"])
-        for name, want in (("logits", logits), ("present_key_0", keys), ("present_value_0", values),
-                           ("hidden", hidden)):
+            logits, hidden, *caches = model(t["input_ids"], t["position_ids"], t["tree_mask"], t["cache_lengths"],
+                                            t["features"], t["draft_hidden"], t["from_target"],
+                                            *[t[name] for i in layers for name in past_names(i)],
+                                            logit_indices=t["logit_indices"])
+        present = [name for i in layers for name in present_names(i)]
+        for name, want in (("logits", logits), *zip(present, caches), ("hidden", hidden)):
             want = want.numpy()
             finite = np.isfinite(want)
             same_infinities &= bool(np.array_equal(want[~finite], got[name][~finite]))

@@ -1,5 +1,6 @@
-"""An EAGLE-3 draft: one decoder layer that reads the target's own hidden states (Li et al., "EAGLE-3:
-Scaling up Inference Acceleration of Large Language Models via Training-Time Test", arXiv 2503.01840).
+"""An EAGLE-3 draft: a decoder layer that reads the target's own hidden states (Li et al., "EAGLE-3:
+Scaling up Inference Acceleration of Large Language Models via Training-Time Test", arXiv 2503.01840),
+optionally followed by more plain decoder layers (a larger draft for the size/cost frontier, issue 19 item 5).
 
 The target exposes, for every token it computes, the residual stream entering three of its layers (a low,
 a middle and a high one; ``feature_layers``, by default 2, L/2 and L-3 of an L-layer target, the released
@@ -10,6 +11,7 @@ checkpoints' choice). For a new token j at rotary position p_j the draft compute
     x_j = [input_layernorm(embed(t_j)) ; hidden_norm(g_j)]                 (2H wide)
     h_j = g_j + o_proj(attention(q/k/v_proj(x), RoPE at p_j, the draft's own KV cache, tree mask))
     h'_j = h_j + mlp(post_attention_layernorm(h_j))
+    h'_j = layer_i(h'_j)                       for each extra decoder layer i (none in the released heads)
     logits_j = lm_head(norm(h'_j))            over the draft vocabulary: draft id d is target token d + d2t[d]
 
 Features lag tokens by one, as in EAGLE: the token at position i+1 is fed with the features of position i
@@ -25,7 +27,10 @@ reduced-head convention of ``Decoder.head`` (lossless: verification evaluates q 
 
 :func:`load_eagle3_checkpoint` reads the released layout (the one published for Llama-3.1-8B-Instruct and
 Llama-3.3-70B-Instruct): ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` (+ optional
-``embed_tokens``), from ``model.safetensors`` or ``pytorch_model.bin`` next to its ``config.json``.
+``embed_tokens``), from ``model.safetensors`` or ``pytorch_model.bin`` next to its ``config.json``. A draft
+with ``num_hidden_layers`` = n > 1 (this project's extension; the released heads have 1) adds n - 1 plain
+Llama decoder layers ``extra_layers.{i}.*`` after ``midlayer``, each with its own KV cache; its output hidden
+(the carried feature) is the last layer's.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from torch import nn
 
 from ssd_trt.errors import RecipeError
 from ssd_trt.models.config import DecoderConfig
-from ssd_trt.models.decoder import MLP, Attention, AttentionFn, RMSNorm, RotaryModule, \
+from ssd_trt.models.decoder import MLP, Attention, AttentionFn, DecoderLayer, RMSNorm, RotaryModule, \
     rope_inverse_frequencies, rotary_tables
 from ssd_trt.models.tree_attention_op import tree_attention
 
@@ -51,7 +56,8 @@ def default_feature_layers(target_layers: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True, slots=True)
 class Eagle3Config:
-    """The draft layer's shape (a one-layer Llama config at the target's width), its vocabulary, its features."""
+    """The draft layers' shape (a Llama config at the target's width; ``layer.num_layers`` counts the midlayer and
+    the extra layers), its vocabulary, its features."""
     layer: DecoderConfig
     draft_vocab_size: int
     feature_layers: tuple[int, int, int]
@@ -60,13 +66,16 @@ class Eagle3Config:
         if not 0 < self.draft_vocab_size <= self.layer.vocab_size:
             raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) must be in 1..vocab_size "
                              f"({self.layer.vocab_size})")
+        if self.layer.num_layers < 1:
+            raise ValueError(f"an EAGLE-3 draft has at least one layer, got num_hidden_layers {self.layer.num_layers}")
         if len(self.feature_layers) != 3 or len(set(self.feature_layers)) != 3 or min(self.feature_layers) < 0:
             raise ValueError(f"feature_layers must be three distinct target layer indices, got {self.feature_layers}")
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], target_layers: int) -> "Eagle3Config":
         """From a released head's config.json (``LlamaForCausalLMEagle3``), for a target of ``target_layers``."""
-        layer = DecoderConfig.from_hf_dict({**hf, "model_type": "llama", "num_hidden_layers": 1,
+        layer = DecoderConfig.from_hf_dict({**hf, "model_type": "llama",
+                                            "num_hidden_layers": int(hf.get("num_hidden_layers") or 1),
                                             "tie_word_embeddings": False})
         eagle = hf.get("eagle_config") or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") or default_feature_layers(target_layers)
@@ -98,7 +107,8 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Draft(RotaryModule):
     """(input_ids, position_ids, tree_mask, cache_lengths, features [B,T,3H], hidden [B,T,H],
-    from_target [B,T] bool, key_cache, value_cache) -> (logits [B,L,V], hidden' [B,T,H], key_cache, value_cache)."""
+    from_target [B,T] bool, *caches) -> (logits [B,L,V], hidden' [B,T,H], *caches); ``caches`` is
+    (key, value) per layer, the midlayer's first."""
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
@@ -107,6 +117,7 @@ class Eagle3Draft(RotaryModule):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.fc = nn.Linear(3 * c.hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(c)
+        self.extra_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers - 1))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -122,14 +133,14 @@ class Eagle3Draft(RotaryModule):
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def forward(self, input_ids, position_ids, tree_mask, cache_lengths, features, hidden, from_target,
-                key_cache, value_cache, attention: AttentionFn = tree_attention,
+                *caches: torch.Tensor, attention: AttentionFn = tree_attention,
                 logit_indices: torch.Tensor | None = None):
         embeds = self.embed_tokens(input_ids)
         # each token carries the target's fused features or the draft's own prediction (its last output)
         carried = torch.where(from_target[..., None], self.fc(features), hidden)
         cos, sin = rotary_tables(position_ids, self.inv_freq, embeds.dtype)
-        out, key_cache, value_cache = self.midlayer(embeds, carried, cos, sin, cache_lengths, tree_mask, key_cache,
-                                                    value_cache, attention)
+        out, new_caches = self.layers_forward(embeds, carried, cos, sin, cache_lengths, tree_mask, list(caches),
+                                              [attention] * self.config.layer.num_layers)
         picked = out
         if logit_indices is not None:
             picked = torch.gather(out, 1, logit_indices[..., None].expand(-1, -1, out.shape[-1]))
@@ -137,12 +148,27 @@ class Eagle3Draft(RotaryModule):
         full = torch.full(draft_logits.shape[:-1] + (self.config.layer.vocab_size,), float("-inf"),
                           dtype=draft_logits.dtype, device=draft_logits.device)
         index = self.draft_token_ids.expand(draft_logits.shape[:-1] + (-1,))
-        return full.scatter(-1, index, draft_logits), out, key_cache, value_cache
+        return (full.scatter(-1, index, draft_logits), out, *new_caches)
+
+    def layers_forward(self, embeds, carried, cos, sin, cache_lengths, tree_mask, caches: list[torch.Tensor],
+                       attentions: list[AttentionFn]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The midlayer on [embeds ; carried], then each extra layer; ``caches`` and ``attentions`` per layer."""
+        if len(caches) != 2 * self.config.layer.num_layers:
+            raise ValueError(f"an EAGLE-3 draft of {self.config.layer.num_layers} layers takes "
+                             f"{2 * self.config.layer.num_layers} caches, got {len(caches)}")
+        x, key_cache, value_cache = self.midlayer(embeds, carried, cos, sin, cache_lengths, tree_mask, caches[0],
+                                                  caches[1], attentions[0])
+        new_caches = [key_cache, value_cache]
+        for i, layer in enumerate(self.extra_layers, start=1):
+            x, key_cache, value_cache = layer(x, cos, sin, cache_lengths, tree_mask, caches[2 * i],
+                                              caches[2 * i + 1], attentions[i])
+            new_caches += [key_cache, value_cache]
+        return x, new_caches
 
     def empty_caches(self, batch: int, capacity: int) -> list[torch.Tensor]:
         c = self.config.layer
         shape = (batch, c.num_kv_heads, capacity, c.head_dim)
-        return [torch.zeros(shape, dtype=self.embed_tokens.weight.dtype) for _ in range(2)]
+        return [torch.zeros(shape, dtype=self.embed_tokens.weight.dtype) for _ in range(2 * c.num_layers)]
 
 
 # ---- the released checkpoint layout ----------------------------------------------------------------------------
@@ -159,8 +185,19 @@ def released_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
             "midlayer.mlp.gate_proj.weight": (c.intermediate_size, h),
             "midlayer.mlp.up_proj.weight": (c.intermediate_size, h),
             "midlayer.mlp.down_proj.weight": (h, c.intermediate_size),
+            **{f"extra_layers.{i}.{name}": shape for i in range(c.num_layers - 1)
+               for name, shape in _decoder_layer_shapes(c).items()},
             "norm.weight": (h,), "lm_head.weight": (config.draft_vocab_size, h),
             "d2t": (config.draft_vocab_size,), "t2d": (c.vocab_size,)}
+
+
+def _decoder_layer_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of one plain Llama decoder layer (an extra layer of a multi-layer draft)."""
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+            "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (c.intermediate_size, h),
+            "mlp.up_proj.weight": (c.intermediate_size, h), "mlp.down_proj.weight": (h, c.intermediate_size)}
 
 
 def _read_state(directory: Path) -> dict[str, torch.Tensor]:

