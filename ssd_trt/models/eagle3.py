@@ -176,28 +176,24 @@ class Eagle3Draft(RotaryModule):
 def released_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Every tensor of a released EAGLE-3 head and its shape (``embed_tokens.weight`` is optional)."""
     c, h = config.layer, config.layer.hidden_size
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    # the midlayer is a decoder layer whose attention reads [embedding ; feature] (2H), with a second input norm
+    midlayer = {**_decoder_layer_shapes(c, attention_input=2 * h), "hidden_norm.weight": (h,)}
     return {"fc.weight": (h, 3 * h),
-            "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
-            "midlayer.self_attn.q_proj.weight": (q, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-            "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, q),
-            "midlayer.post_attention_layernorm.weight": (h,),
-            "midlayer.mlp.gate_proj.weight": (c.intermediate_size, h),
-            "midlayer.mlp.up_proj.weight": (c.intermediate_size, h),
-            "midlayer.mlp.down_proj.weight": (h, c.intermediate_size),
+            **{f"midlayer.{name}": shape for name, shape in midlayer.items()},
             **{f"extra_layers.{i}.{name}": shape for i in range(c.num_layers - 1)
-               for name, shape in _decoder_layer_shapes(c).items()},
+               for name, shape in _decoder_layer_shapes(c, attention_input=h).items()},
             "norm.weight": (h,), "lm_head.weight": (config.draft_vocab_size, h),
             "d2t": (config.draft_vocab_size,), "t2d": (c.vocab_size,)}
 
 
-def _decoder_layer_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """The tensors of one plain Llama decoder layer (an extra layer of a multi-layer draft)."""
+def _decoder_layer_shapes(c: DecoderConfig, attention_input: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of one Llama decoder layer whose q/k/v projections read ``attention_input`` features."""
     h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-            "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (c.intermediate_size, h),
-            "mlp.up_proj.weight": (c.intermediate_size, h), "mlp.down_proj.weight": (h, c.intermediate_size)}
+    return {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, attention_input),
+            "self_attn.k_proj.weight": (kv, attention_input), "self_attn.v_proj.weight": (kv, attention_input),
+            "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
+            "mlp.gate_proj.weight": (c.intermediate_size, h), "mlp.up_proj.weight": (c.intermediate_size, h),
+            "mlp.down_proj.weight": (h, c.intermediate_size)}
 
 
 def _read_state(directory: Path) -> dict[str, torch.Tensor]:
