@@ -1,4 +1,5 @@
-"""Self-synthesised prompts (magpie.py) and warm-starting a draft (copy_draft_weights).
+"""Self-synthesised prompts (magpie.py), resumable teacher/feature shards, and warm-starting a draft
+(copy_draft_weights).
 
 The synthesis test drives the real SmolLM2 target (bf16, a few short turns): the property that
 matters is that a run interrupted after any batch resumes into exactly the prompts a fresh run
@@ -11,10 +12,11 @@ import json
 import pytest
 import torch
 
+from ssd_trt.distill.eagle3_data import FeatureSample, same_sequences
 from ssd_trt.distill.magpie import OPENERS, derived_prompts, synthesize_prompts, user_turn_prefix
 from ssd_trt.distill.model import DraftConfig, DraftModel, copy_draft_weights
-from ssd_trt.distill.prompts import SUMMARY_INSTRUCTIONS
-from ssd_trt.distill.teacher import Sample, load_target
+from ssd_trt.distill.prompts import SUMMARY_INSTRUCTIONS, Prompt
+from ssd_trt.distill.teacher import Sample, encode_prompt, holds_prompts, label_prompts, load_samples, load_target
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,42 @@ def test_derived_prompts_reuse_answers(smollm2):
     # cached teacher shards of a resumed, larger run stay valid
     assert derived_prompts(tok, samples, 4, seed=0) == out[:4]
     assert derived_prompts(tok, samples + samples, 9, seed=0) == out
+
+
+def test_a_shard_written_for_fewer_prompts_is_relabelled_and_a_matching_one_kept(smollm2, tmp_path):
+    """Growing a prompt list (a later stage asking for more self-written prompts) must not keep the old
+    partial last shard: it would silently drop the prompts added to its chunk."""
+    model, tok = smollm2
+    prompts = [Prompt("prose", f"The {word} of the old town was", False)
+               for word in ("bridge", "market", "river", "tower", "school")]
+    label = lambda n: label_prompts(model, tok, prompts[:n], tmp_path, batch=4, max_new=3, shard_prompts=4)
+
+    def stored(shards):
+        return sorted(s.ids[:s.n_prompt].tolist() for s in load_samples(shards))
+
+    expected = lambda n: sorted(encode_prompt(tok, p)[0] for p in prompts[:n])
+    assert stored(label(3)) == expected(3)
+    first = tmp_path / "shard_0000.pt"
+    assert not holds_prompts(first, [encode_prompt(tok, p)[0] for p in prompts[:4]])
+    shards = label(5)                                   # shard 0 now has to hold 4 prompts, shard 1 the 5th
+    assert len(shards) == 2 and stored(shards) == expected(5) and len(load_samples([first])) == 4
+    written = first.stat().st_mtime_ns
+    assert stored(label(5)) == expected(5) and first.stat().st_mtime_ns == written   # kept when it matches
+
+
+def test_a_feature_shard_is_recognised_only_for_the_teacher_sequences_it_was_made_from(tmp_path):
+    def sample(ids):
+        ids = torch.tensor(ids, dtype=torch.int32)
+        return Sample(ids, 0, 1, torch.zeros(len(ids), 2, dtype=torch.int32), torch.zeros(len(ids), 2), "chat")
+
+    teacher = [sample([5, 6, 7]), sample([8, 9])]
+    rows = [FeatureSample(s.ids, 0, 1, torch.zeros(len(s.ids), 6, dtype=torch.bfloat16), s.topk_ids,
+                          s.topk_logits.half(), s.kind).__dict__ for s in teacher]
+    torch.save(rows, tmp_path / "features.pt")
+    assert same_sequences(tmp_path / "features.pt", teacher)
+    assert not same_sequences(tmp_path / "features.pt", teacher[:1])                    # fewer sequences
+    assert not same_sequences(tmp_path / "features.pt", [teacher[0], sample([8, 10])])   # other tokens
+    assert not same_sequences(tmp_path / "features.pt", teacher[::-1])                  # other order
 
 
 def test_copy_draft_weights_matches_head_rows_by_token():

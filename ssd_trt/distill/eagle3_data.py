@@ -67,16 +67,20 @@ def featurize_shards(target: Decoder, teacher_shards: list[Path], out_dir: Path,
     """For each teacher shard ``<dir>/<name>``, ``out_dir/<dir>_<name>`` with every sequence's features and
     fp32 top-k logits.
 
-    Resumable: a shard already written is kept (written to .tmp then renamed, so never half-written)."""
+    Resumable: a shard already written is kept (written to .tmp then renamed, so never half-written) when
+    it holds the teacher shard's sequences; one made from an older version of the teacher shard is redone."""
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = []
     for teacher_shard in teacher_shards:
         path = out_dir / f"{teacher_shard.parent.name}_{teacher_shard.name}"
         shards.append(path)
+        samples = load_samples([teacher_shard])
         if path.exists():
-            continue
+            if same_sequences(path, samples):
+                continue
+            tqdm.write(f"{path}: made from another version of {teacher_shard}; featurizing it again")
         rows = []
-        for s in tqdm(load_samples([teacher_shard]), desc=f"features {path.name}", leave=False):
+        for s in tqdm(samples, desc=f"features {path.name}", leave=False):
             features, logits = target_pass(target, s.ids)
             values, indices = logits.float().topk(k, dim=-1)
             rows.append(FeatureSample(s.ids, s.start, s.n_prompt, features.to(torch.bfloat16),
@@ -85,6 +89,13 @@ def featurize_shards(target: Decoder, teacher_shards: list[Path], out_dir: Path,
         torch.save(rows, tmp)
         tmp.rename(path)
     return shards
+
+
+def same_sequences(feature_shard: Path, samples: list[Sample]) -> bool:
+    """Whether a feature shard was made from these teacher samples (same token ids, same order).
+    Memory-mapped: only the id tensors are read, not the features."""
+    rows = torch.load(feature_shard, weights_only=True, mmap=True)
+    return len(rows) == len(samples) and all(torch.equal(row["ids"], s.ids) for row, s in zip(rows, samples))
 
 
 def load_feature_samples(paths: list[Path]) -> list[FeatureSample]:

@@ -176,10 +176,13 @@ TEACHER_DIRS = ("teacher", "teacher_magpie", "teacher_derived")
 def label_prompts(model, tok, prompts: list[Prompt], out_dir: Path, *, batch: int = 32, max_new: int = 128,
                   sample_frac: float = 0.3, temperature: float = 0.8, k: int = 32, seed: int = 0,
                   shard_prompts: int = 256) -> list[Path]:
-    """Write teacher-labelled shards ``out_dir/shard_XXXX.pt``; existing shards are kept (resumable).
+    """Write teacher-labelled shards ``out_dir/shard_XXXX.pt``; existing shards are kept (resumable)
+    when they hold exactly this chunk's prompts.
 
     Prompts are grouped into batches of similar length (less padding); batch b samples when a
-    seeded coin says so, so the greedy/sampled split is reproducible.
+    seeded coin says so, so the greedy/sampled split is reproducible. A shard written for a different
+    prompt list (e.g. the last, partial shard of an earlier run asked for fewer prompts) is rewritten:
+    keeping it would silently drop the prompts it lacks.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"),
@@ -188,10 +191,12 @@ def label_prompts(model, tok, prompts: list[Prompt], out_dir: Path, *, batch: in
     for s0 in range(0, len(prompts), shard_prompts):
         path = out_dir / f"shard_{s0 // shard_prompts:04d}.pt"
         shards.append(path)
-        if path.exists():
-            continue
         chunk = prompts[s0:s0 + shard_prompts]
         enc = [encode_prompt(tok, p) for p in chunk]
+        if path.exists():
+            if holds_prompts(path, [ids for ids, _ in enc]):
+                continue
+            tqdm.write(f"{path}: written for a different prompt list; relabelling it")
         order = sorted(range(len(chunk)), key=lambda i: len(enc[i][0]))
         rng = random.Random(seed * 1_000_003 + s0)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + s0)
@@ -207,6 +212,13 @@ def label_prompts(model, tok, prompts: list[Prompt], out_dir: Path, *, batch: in
         torch.save([s.__dict__ for s in samples], tmp)
         tmp.rename(path)  # atomic: a killed run never leaves a half-written shard behind
     return shards
+
+
+def holds_prompts(shard: Path, prompt_ids: list[list[int]]) -> bool:
+    """Whether a teacher shard continues exactly these prompts (as a multiset: shards store them in
+    length order)."""
+    stored = sorted(s.ids[:s.n_prompt].tolist() for s in load_samples([shard]))
+    return stored == sorted(prompt_ids)
 
 
 def load_samples(paths: list[Path]) -> list[Sample]:
