@@ -20,7 +20,7 @@ def prompts_file(path: Path, words: list[str]) -> Path:
 def bench(build: Path, tmp_path: Path, measured: Path, tuning: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ssd_trt.bench", str(build), "--prompts", str(measured),
                            "--tuning-prompts", str(tuning), "--settings", "paper", "--baselines", "none",
-                           "--max-new-tokens", "6", "--sd-k", "1,2", "--ssd-k", "2", "--ssd-budget", "4",
+                           "--max-new-tokens", "6", "--sd-k", "1,2", "--ssd-k", "1,2", "--ssd-budget", "2,3",
                            "--sweep-prompts", "1", "--out", str(tmp_path / "out"), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
 
@@ -39,7 +39,12 @@ def test_bench_reports_every_preset_tunes_on_the_tuning_split_and_plots(tiny_pai
         summary = outcome["summary"]
         assert set(summary) == {"ar", "sd", "ssd"}
         assert [p["value"] for p in outcome["sweeps"]["sd: K"]] == [1, 2]          # swept ...
-        assert outcome["chosen"]["sd_k"] in (1, 2) and outcome["chosen"]["ssd_k"] == 2
+        assert outcome["chosen"]["sd_k"] in (1, 2) and outcome["chosen"]["ssd_k"] in (1, 2)
+        # ... and SSD's K and budget jointly: every pair, a budget below K+1 raised to K+1 (K 1,2 x budget 2,3 -> 3 pairs)
+        grid = outcome["sweeps"]["ssd: K x fan-out budget"]
+        assert [p["value"] for p in grid] == [[1, 2], [1, 3], [2, 3]]
+        best = max(grid, key=lambda p: p["tokens_per_s"])["value"]
+        assert [outcome["chosen"]["ssd_k"], outcome["chosen"]["ssd_budget"]] == best
         for mode in ("sd", "ssd"):
             assert summary[mode]["prompts"] == 2 and summary[mode]["mean_accepted"] is not None
             assert summary[mode]["draft_latency_s"] > 0 and summary[mode]["verify_latency_s"] > 0

@@ -1,7 +1,8 @@
 """``python -m ssd_trt.bench BUILD_DIR``: this engine's modes and peer baselines, side by side, in one run.
 
 For each sampling preset (greedy, T=0.7 top-p 0.9, T=1 top-k 50, or --temperature/--top-p/--top-k) and
-each hardware setting: SD's K and SSD's K and fan-out budget are swept on the tuning prompts (a split
+each hardware setting: SD's K, and SSD's K and fan-out budget jointly (every pair of the two lists: the best
+budget depends on K, since the draft's tree grows with K x budget), are swept on the tuning prompts (a split
 disjoint from the measured ones), then every mode runs the measured prompts. Writes results.json, PNG
 plots and a terminal table to --out. See README "Benchmarks" for the schema.
 """
@@ -118,13 +119,22 @@ def presets(args) -> list[SamplingPreset]:
     return [PRESETS[name] for name in args.sampling.split(",")]
 
 
+SSD_GRID = "ssd: K x fan-out budget"
+
+
+def ssd_grid(ks: str, budgets: str) -> list[tuple[int, int]]:
+    """Every (K, budget) pair of the two comma lists; a budget below K+1 (fewer guesses than outcomes
+    k = 0..K) is raised to K+1, and pairs that coincide after that are swept once."""
+    return sorted({(int(k), max(int(b), int(k) + 1)) for k in ks.split(",") for b in budgets.split(",")})
+
+
 def sweep(build_dir, setting, mode, prompts, encoded, params, ar_tps, values, make_kwargs):
     points = []
     for value in values:
         runs = run_engine(build_dir, setting, mode, prompts, encoded, params, label=f"{mode} sweep {value}",
                           **make_kwargs(value))
         s = summarise(runs, None)
-        points.append({"value": value, "tokens_per_s": s["tokens_per_s"], "mean_accepted": s["mean_accepted"],
+        points.append({"value": list(value) if isinstance(value, tuple) else value, "tokens_per_s": s["tokens_per_s"], "mean_accepted": s["mean_accepted"],
                        "cache_hit_rate": s["cache_hit_rate"], "speedup_vs_ar": s["tokens_per_s"] / ar_tps})
     return points
 
@@ -141,7 +151,7 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
     chosen = dict(chosen or {})
     ar_small: list = []
 
-    def pick(key: str, label: str, mode: str, values: list[int], make_kwargs) -> int:
+    def pick(key: str, label: str, mode: str, values: list, make_kwargs):
         """The fastest value on the tuning prompts (swept once; reused when ``chosen`` has it)."""
         if key not in chosen:
             if not ar_small:    # the sweeps' AR reference, on the same tuning prompts
@@ -156,10 +166,9 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
         best_sd = pick("sd_k", "sd: K", "sd", [int(k) for k in args.sd_k.split(",")], lambda k: {"draft_len": k})
         runs_by_mode["sd"] = run_engine(build, setting, "sd", prompts, encoded, params, draft_len=best_sd)
     if "ssd" in modes:
-        best_k = pick("ssd_k", "ssd: K", "ssd", [int(k) for k in args.ssd_k.split(",")], lambda k: {"draft_len": k})
-        budgets = sorted({max(int(b), best_k + 1) for b in args.ssd_budget.split(",")})
-        best_budget = pick("ssd_budget", "ssd: fan-out budget", "ssd", budgets,
-                           lambda b: {"draft_len": best_k, "ssd": {"fan_out_budget": b}})
+        best_k, best_budget = pick("ssd_grid", SSD_GRID, "ssd", ssd_grid(args.ssd_k, args.ssd_budget),
+                                   lambda kb: {"draft_len": kb[0], "ssd": {"fan_out_budget": kb[1]}})
+        chosen["ssd_k"], chosen["ssd_budget"] = best_k, best_budget
         runs_by_mode["ssd"] = run_engine(build, setting, "ssd", prompts, encoded, params, draft_len=best_k,
                                          ssd={"fan_out_budget": best_budget}, keep_timeline=True)
     target, draft, _ = hf_pair if hf_pair else (None, None, None)

@@ -54,9 +54,15 @@ def sweeps(sweep: dict, path: Path) -> Path:
     panels = [(key, values) for key, values in sweep.items() if values]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.5 * max(len(panels), 1), 3.5), squeeze=False)
     for ax, (key, values) in zip(axes[0], panels):
-        xs = [v["value"] for v in values]
-        ax.plot(xs, [v["speedup_vs_ar"] for v in values], marker="o")
-        ax.set_xlabel(key)
+        if isinstance(values[0]["value"], list):     # a (K, budget) grid: one line per K over the budgets
+            for k in sorted({v["value"][0] for v in values}):
+                row = [v for v in values if v["value"][0] == k]
+                ax.plot([v["value"][1] for v in row], [v["speedup_vs_ar"] for v in row], marker="o", label=f"K={k}")
+            ax.legend()
+            ax.set_xlabel("fan-out budget")
+        else:
+            ax.plot([v["value"] for v in values], [v["speedup_vs_ar"] for v in values], marker="o")
+            ax.set_xlabel(key)
         ax.set_ylabel("speedup over AR")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_title(key)
