@@ -134,7 +134,8 @@ def sweep(build_dir, setting, mode, prompts, encoded, params, ar_tps, values, ma
         runs = run_engine(build_dir, setting, mode, prompts, encoded, params, label=f"{mode} sweep {value}",
                           **make_kwargs(value))
         s = summarise(runs, None)
-        points.append({"value": list(value) if isinstance(value, tuple) else value, "tokens_per_s": s["tokens_per_s"], "mean_accepted": s["mean_accepted"],
+        points.append({"value": list(value) if isinstance(value, tuple) else value,   # (K, budget) -> JSON list
+                       "tokens_per_s": s["tokens_per_s"], "mean_accepted": s["mean_accepted"],
                        "cache_hit_rate": s["cache_hit_rate"], "speedup_vs_ar": s["tokens_per_s"] / ar_tps})
     return points
 
