@@ -133,9 +133,8 @@ def trace_eagle3_step_graph(model) -> onnx.ModelProto:
     [B,T] bool; outputs the logits, each draft layer's caches and the output hidden [B,T,H]."""
     model = with_named_weights(model)
     batch, num_new, capacity, width = 2, 3, 8, model.config.layer.hidden_size
-    layers = range(model.config.layer.num_layers)
-    past = [name for i in layers for name in past_names(i)]
-    present = [name for i in layers for name in present_names(i)]
+    step_inputs, step_outputs = io_names(model.config.layer.num_layers)
+    past, present = step_inputs[len(GRAPH_INPUTS):], step_outputs[1:]     # every layer's caches, in order
     inputs = [*GRAPH_INPUTS, *EAGLE3_INPUTS, *past]
     outputs = [GRAPH_OUTPUT_LOGITS, *present, EAGLE3_OUTPUT_HIDDEN]
     dynamic = {**STEP_DYNAMIC_AXES, **{name: CACHE_AXES for name in (*past, *present)},

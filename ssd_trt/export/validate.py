@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from plugins.tree_attention.reference import pack_tree_mask
-from ssd_trt.engines.base import GRAPH_INPUTS, past_names, present_names
+from ssd_trt.engines.base import GRAPH_INPUTS
 from ssd_trt.export.onnx_export import io_names
 from ssd_trt.models.config import DecoderConfig
 from ssd_trt.models.decoder import Decoder
@@ -147,6 +147,8 @@ def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]],
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     c = model.config.layer
     max_abs, same_infinities = 0.0, True
+    step_inputs, step_outputs = io_names(c.num_layers)
+    past, present = step_inputs[len(GRAPH_INPUTS):], step_outputs[1:]    # every layer's caches, in order
     for seed, (batch, num_new) in enumerate(shapes):
         feeds = dict(sample_feeds(c, batch, num_new, seed, capacity))
         rng = np.random.default_rng(1000 + seed)
@@ -154,14 +156,11 @@ def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]],
                      draft_hidden=rng.standard_normal((batch, num_new, c.hidden_size)).astype(np.float32),
                      from_target=rng.random((batch, num_new)) < 0.5)
         got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-        layers = range(c.num_layers)
         with torch.no_grad():
             t = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in feeds.items()}
             logits, hidden, *caches = model(t["input_ids"], t["position_ids"], t["tree_mask"], t["cache_lengths"],
                                             t["features"], t["draft_hidden"], t["from_target"],
-                                            *[t[name] for i in layers for name in past_names(i)],
-                                            logit_indices=t["logit_indices"])
-        present = [name for i in layers for name in present_names(i)]
+                                            *[t[name] for name in past], logit_indices=t["logit_indices"])
         for name, want in (("logits", logits), *zip(present, caches), ("hidden", hidden)):
             want = want.numpy()
             finite = np.isfinite(want)
