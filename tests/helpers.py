@@ -1,8 +1,10 @@
 """Test helpers: tiny real checkpoints (HF format + a real WordLevel tokenizer) built by the real pipeline."""
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import yaml
@@ -79,3 +81,11 @@ def write_recipe(path: Path, target: Path, draft: Path, name: str = "tiny", deco
         recipe["decoding"] = decoding
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script under scripts/ (not a package) imported as a module, so tests can call its functions."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

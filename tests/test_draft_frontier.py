@@ -2,7 +2,6 @@
 the shipped head's own artifacts in docs/bench) and reports, per mode, the size it is fastest with."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,16 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "draft_frontier.py"
 BENCH = ROOT / "docs" / "bench"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("draft_frontier", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_frontier_reads_each_sizes_measurements_and_picks_the_fastest_per_mode(tmp_path):
@@ -50,4 +44,4 @@ def test_a_cost_file_without_a_measurement_is_refused(tmp_path):
     bad = tmp_path / "draft_cost.txt"
     bad.write_text("nothing measured\n")
     with pytest.raises(ValueError, match="no 'CONTEXT context"):
-        load_script().draft_cost(bad)
+        load_script(SCRIPT).draft_cost(bad)

@@ -1,7 +1,6 @@
 """The loss variants of scripts/draft_lever_pilots.py are the ones the model card describes."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,15 +8,9 @@ import torch
 
 from ssd_trt.distill.model import DraftConfig, DraftModel
 from ssd_trt.distill.train import kd_loss
+from tests.helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_lever_pilots.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("draft_lever_pilots", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def batch(seed: int = 0):
@@ -33,7 +26,7 @@ def batch(seed: int = 0):
 
 
 def test_soft_is_the_training_loss_and_copy_without_weight_is_soft():
-    pilots = load_script()
+    pilots = load_script(SCRIPT)
     logits, tid, tlog, mask, weight = batch()
     soft = pilots.pilot_loss("soft", logits, tid, tlog, mask, weight, None, None)
     torch.testing.assert_close(soft, kd_loss(logits, tid, tlog, mask, weight))
@@ -43,7 +36,7 @@ def test_soft_is_the_training_loss_and_copy_without_weight_is_soft():
 
 
 def test_hard_is_cross_entropy_on_the_argmax_and_sharp_is_the_teacher_at_half_temperature():
-    pilots = load_script()
+    pilots = load_script(SCRIPT)
     logits, tid, tlog, mask, weight = batch(1)
     hard = pilots.pilot_loss("hard", logits, tid, tlog, mask, weight, None, None)
     logq = torch.log_softmax(logits, -1).gather(-1, tid[..., :1].clamp(min=0))[..., 0]
@@ -55,7 +48,7 @@ def test_hard_is_cross_entropy_on_the_argmax_and_sharp_is_the_teacher_at_half_te
 
 
 def test_copy_credits_the_follower_with_its_weight():
-    pilots = load_script()
+    pilots = load_script(SCRIPT)
     logits, tid, tlog, mask, weight = batch(2)
     # the follower is the teacher's argmax at every position: mixing it in must lower the loss
     lam = torch.full((2, 5), 0.3)
@@ -74,7 +67,7 @@ def test_copy_credits_the_follower_with_its_weight():
 
 
 def test_a_grown_draft_starts_as_the_same_function():
-    pilots = load_script()
+    pilots = load_script(SCRIPT)
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=100,
@@ -96,7 +89,7 @@ def test_curves_reads_the_heldout_evaluations_of_real_training_runs(tmp_path):
     from ssd_trt.distill.teacher import Sample
     from ssd_trt.distill.train import TrainConfig, split_samples, train
 
-    pilots = load_script()
+    pilots = load_script(SCRIPT)
     g = torch.Generator().manual_seed(0)
     samples = []
     for _ in range(40):   # teacher labels with a learnable rule: the target always predicts token (t + 1) % 50
