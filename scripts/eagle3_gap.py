@@ -53,10 +53,10 @@ BUDGET_MINUTES = 6 * 60                          # the issue's training budget, 
 SPENT_MINUTES = 303                              # the four stages as the model card times them (5 h 03 min)
 
 
-def stage_rows() -> list[dict]:
+def stage_rows(metrics_by_stage: dict[int, dict]) -> list[dict]:
     rows = []
     for stage, (metrics_path, agreement_path) in STAGES.items():
-        metrics = json.loads(metrics_path.read_text())
+        metrics = metrics_by_stage[stage]
         engine = json.loads(agreement_path.read_text())["agreement"]
         rows.append({"stage": stage, "train_positions": metrics["data"]["train_positions"],
                      "steps": metrics["train"]["step"],
@@ -85,9 +85,14 @@ def rates(metrics: dict, previous: dict) -> dict:
             "train_positions_per_min": trained / metrics["train"]["minutes"]}
 
 
+def minutes_for(positions: float, already: float, speed: dict) -> float:
+    """Minutes to reach ``positions`` at stage 4's rates when ``already`` exist: the new ones' text and features
+    plus one training pass over all of them."""
+    return (positions - already) / speed["data_positions_per_min"] + positions / speed["train_positions_per_min"]
+
+
 def positions_within(minutes: float, already: float, speed: dict) -> float:
-    """The most training positions ``minutes`` buy at stage 4's rates when ``already`` positions exist: the new
-    ones' text and features plus one training pass over all of them."""
+    """The inverse of ``minutes_for``: the most training positions ``minutes`` buy."""
     per_data, per_train = 1 / speed["data_positions_per_min"], 1 / speed["train_positions_per_min"]
     return (minutes + already * per_data) / (per_data + per_train)
 
@@ -105,8 +110,7 @@ def agreement_gap(rows: list[dict], speed: dict) -> dict:
             a0, slope = log_fit([r["train_positions"] for r in chosen], [r[prompts] for r in chosen])
             fitted_last = a0 + slope * math.log(last["train_positions"])
             needed = last["train_positions"] * math.exp((target - fitted_last) / slope) if slope > 0 else math.inf
-            minutes = ((needed - last["train_positions"]) / speed["data_positions_per_min"]
-                       + needed / speed["train_positions_per_min"])
+            minutes = minutes_for(needed, last["train_positions"], speed)
             fits[label] = {"a0": a0, "slope_per_ln_positions": slope, "positions_needed": needed,
                            "times_the_data": needed / last["train_positions"], "minutes_needed": minutes,
                            "times_the_remaining_budget": minutes / (BUDGET_MINUTES - SPENT_MINUTES),
@@ -172,8 +176,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    rows = stage_rows()
-    speed = rates(*(json.loads(STAGES[s][0].read_text()) for s in (4, 3)))
+    metrics = {stage: json.loads(metrics_path.read_text()) for stage, (metrics_path, _) in STAGES.items()}
+    rows = stage_rows(metrics)
+    speed = rates(metrics[4], metrics[3])
     gap = agreement_gap(rows, speed)
     report = {"command": "python scripts/eagle3_gap.py --out " + str(args.out), "stages": rows, "rates": speed,
               "budget_minutes": BUDGET_MINUTES, "spent_minutes": SPENT_MINUTES, "agreement": gap,

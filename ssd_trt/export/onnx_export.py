@@ -48,12 +48,16 @@ def _register_symbolic() -> None:
     _SYMBOLIC_REGISTERED.append(True)
 
 
+def cache_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """Every layer's past (input) and present (output) cache names, in graph order."""
+    layers = range(num_layers)
+    return ([name for layer in layers for name in past_names(layer)],
+            [name for layer in layers for name in present_names(layer)])
+
+
 def io_names(num_layers: int, features: bool = False) -> tuple[list[str], list[str]]:
-    inputs, outputs = list(GRAPH_INPUTS), [GRAPH_OUTPUT_LOGITS]
-    for layer in range(num_layers):
-        inputs += past_names(layer)
-        outputs += present_names(layer)
-    return inputs, outputs + ([GRAPH_OUTPUT_FEATURES] if features else [])
+    past, present = cache_names(num_layers)
+    return [*GRAPH_INPUTS, *past], [GRAPH_OUTPUT_LOGITS, *present, *([GRAPH_OUTPUT_FEATURES] if features else [])]
 
 
 WEIGHT_PREFIX = "model."    # graph initializers are named after the traced module: model.<Decoder parameter>
@@ -103,8 +107,8 @@ def trace_step_graph(model: Decoder) -> onnx.ModelProto:
     dynamic = dict(STEP_DYNAMIC_AXES)
     if model.feature_layers:
         dynamic[GRAPH_OUTPUT_FEATURES] = {0: "batch", 1: "new_tokens"}
-    for name in inputs[len(GRAPH_INPUTS):] + [o for o in outputs[1:] if o != GRAPH_OUTPUT_FEATURES]:
-        dynamic[name] = CACHE_AXES
+    past, present = cache_names(model.config.num_layers)
+    dynamic.update({name: CACHE_AXES for name in (*past, *present)})
     return _trace(_StepGraph(model), (*_step_args(batch, num_new), *model.empty_caches(batch, capacity)),
                   inputs, outputs, dynamic)
 
@@ -133,8 +137,7 @@ def trace_eagle3_step_graph(model) -> onnx.ModelProto:
     [B,T] bool; outputs the logits, each draft layer's caches and the output hidden [B,T,H]."""
     model = with_named_weights(model)
     batch, num_new, capacity, width = 2, 3, 8, model.config.layer.hidden_size
-    step_inputs, step_outputs = io_names(model.config.layer.num_layers)
-    past, present = step_inputs[len(GRAPH_INPUTS):], step_outputs[1:]     # every layer's caches, in order
+    past, present = cache_names(model.config.layer.num_layers)
     inputs = [*GRAPH_INPUTS, *EAGLE3_INPUTS, *past]
     outputs = [GRAPH_OUTPUT_LOGITS, *present, EAGLE3_OUTPUT_HIDDEN]
     dynamic = {**STEP_DYNAMIC_AXES, **{name: CACHE_AXES for name in (*past, *present)},

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from plugins.tree_attention.reference import pack_tree_mask
-from ssd_trt.engines.base import GRAPH_INPUTS
-from ssd_trt.export.onnx_export import io_names
+from ssd_trt.export.onnx_export import cache_names, io_names
 from ssd_trt.models.config import DecoderConfig
 from ssd_trt.models.decoder import Decoder
 
@@ -35,8 +34,7 @@ def sample_feeds(c: DecoderConfig, batch: int, num_new: int, seed: int, capacity
     feeds = OrderedDict(input_ids=rng.integers(0, c.vocab_size, (batch, num_new)).astype(np.int64),
                         position_ids=(lengths[:, None] + np.arange(num_new)[None]).astype(np.int64),
                         tree_mask=pack_tree_mask(mask), cache_lengths=lengths, logit_indices=picked.astype(np.int64))
-    names = io_names(c.num_layers)[0][len(GRAPH_INPUTS):]
-    for name in names:
+    for name in cache_names(c.num_layers)[0]:
         feeds[name] = rng.standard_normal((batch, c.num_kv_heads, capacity, c.head_dim)).astype(cache_dtype)
     return feeds
 
@@ -71,7 +69,7 @@ def _torch_runner(model: Decoder, example: OrderedDict):
                            for n in io_names(model.config.num_layers)[0]}
                 # half-precision caches (a TensorRT-flavour graph) reach the fp32 model as the same values
                 tensors = {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}
-                caches = [tensors[n] for n in io_names(model.config.num_layers)[0][len(GRAPH_INPUTS):]]
+                caches = [tensors[n] for n in cache_names(model.config.num_layers)[0]]
                 outputs = model(tensors["input_ids"], tensors["position_ids"], tensors["tree_mask"],
                                 tensors["cache_lengths"], *caches, logit_indices=tensors["logit_indices"])
             self.inference_time = time.perf_counter() - start
@@ -147,8 +145,7 @@ def validate_eagle3_graph(model, onnx_path: Path, shapes: list[tuple[int, int]],
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     c = model.config.layer
     max_abs, same_infinities = 0.0, True
-    step_inputs, step_outputs = io_names(c.num_layers)
-    past, present = step_inputs[len(GRAPH_INPUTS):], step_outputs[1:]    # every layer's caches, in order
+    past, present = cache_names(c.num_layers)
     for seed, (batch, num_new) in enumerate(shapes):
         feeds = dict(sample_feeds(c, batch, num_new, seed, capacity))
         rng = np.random.default_rng(1000 + seed)
