@@ -116,26 +116,120 @@ def _missing_plans(recipe: Recipe, manifest) -> str | None:
     return None
 
 
-def build(recipe_path: Path, force: bool = False, root: Path | None = None) -> Path:
-    """Export, validate and (where TensorRT can) compile the recipe's pair; returns the build directory."""
+def build(recipe_path: Path, force: bool = False, root: Path | None = None, host_bytes: int | None = None) -> Path:
+    """Export, validate and (where TensorRT can) compile the recipe's pair; returns the build directory.
+
+    ``host_bytes``: plan against this much host memory instead of what the machine has available now."""
     from tqdm import tqdm
 
     from ssd_trt.models.loading import transformers_progress_bars_off
     bar = tqdm(BUILD_STEPS, desc="build", unit="step", file=sys.stderr)   # made before third-party bars go quiet
     with transformers_progress_bars_off():
         try:
-            return _build(recipe_path, force, root, bar)
+            return _build(recipe_path, force, root, bar, host_bytes)
         finally:
             bar.close()
 
 
 BUILD_STEPS = ["load target", "load draft", "tokenizer", "parity target", "parity draft", "export target",
                "export draft", "validate target", "validate draft", "tensorrt"]
+STREAM_ABOVE_BYTES = 256 << 20   # export: auto streams an HF checkpoint larger than this in fp32 (64M parameters)
 
 
-def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
+def plan_exports(recipe: Recipe, sources: dict, host_bytes: int | None) -> tuple[dict, dict]:
+    """Open each HF checkpoint (a missing or corrupt shard fails here), choose each model's export path and
+    check the host has the memory both need, all before any long work. Returns (checkpoints of the streamed
+    models, the memory record for the manifest)."""
+    from ssd_trt.export import host_memory
+    from ssd_trt.models.checkpoint import Checkpoint, count_params
+
+    checkpoints, plans = {}, []
+    for role in ROLES:
+        spec, source = getattr(recipe, role), sources[role]
+        feature_pair = recipe.draft.kind == "eagle3"
+        if source.kind != "hf" or feature_pair:
+            if spec.export == "streamed":
+                why = ("it is a .gguf file" if source.kind != "hf" else
+                       "the pair has an EAGLE-3 draft (its target's graph also returns features)")
+                raise RecipeError(f"{role}.export: streamed reads an HF safetensors checkpoint layer by layer, but "
+                                  f"{source.path}: {why}; use export: in_memory (or auto)")
+            params = count_params(source)
+            plans.append(host_memory.MemoryPlan(role, "in_memory", params, host_memory.in_memory_peak(params)))
+            continue
+        checkpoint = Checkpoint.open(source.path)
+        streamed = spec.export == "streamed" or (spec.export == "auto" and 4 * checkpoint.num_params > STREAM_ABOVE_BYTES)
+        if not streamed:
+            plans.append(host_memory.MemoryPlan(role, "in_memory", checkpoint.num_params,
+                                                host_memory.in_memory_peak(checkpoint.num_params)))
+            continue
+        if spec.weights == "gguf":
+            raise RecipeError(f"{role}: weights: gguf keeps a GGUF file's own blocks, but {source.path} is not a .gguf "
+                              f"file; use weights: float, int8 or int4 for this model")
+        from ssd_trt.export.streamed import first_layers
+        checked = first_layers(checkpoint, spec.check_layers).num_params
+        plans.append(host_memory.MemoryPlan(role, "streamed", checkpoint.num_params,
+                                            host_memory.streamed_peak(checkpoint.largest_tensor_numel, checked)))
+        checkpoints[role] = checkpoint
+    # in-memory models stay loaded for the whole build; a streamed one holds its peak only while it is exported
+    needed = sum(p.peak_bytes for p in plans if p.path == "in_memory") + \
+        max((p.peak_bytes for p in plans if p.path == "streamed"), default=0)
+    available = host_bytes if host_bytes is not None else host_memory.available_bytes()
+    if needed > available:
+        gib = host_memory.GIB
+        advice = ("export: streamed (HF safetensors checkpoints) keeps host memory near one tensor"
+                  if any(p.path == "in_memory" for p in plans) else
+                  "lower check_layers, or build on a host with more memory")
+        raise RecipeError(f"recipe {recipe.name!r} needs an estimated {needed / gib:.1f} GiB of host memory to build "
+                          f"({'; '.join(p.describe() for p in plans)}) but {available / gib:.1f} GiB is available; "
+                          f"{advice} (estimates: ssd_trt/export/host_memory.py)")
+    return checkpoints, {"estimate_bytes": needed, "available_bytes": available,
+                         "exports": {p.role: {"path": p.path, "params": p.params, "peak_estimate_bytes": p.peak_bytes}
+                                     for p in plans}}
+
+
+TRT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def export_streamed_role(recipe: Recipe, role: str, checkpoint, out: Path, step) -> dict[str, Any]:
+    """A streamed model's build: bounded parity, the graphs of every flavour written tensor by tensor, the
+    bounded validation. Returns what the manifest and the artifacts list need."""
+    import torch
+
+    from ssd_trt.engines.editions import DATACENTER, RTX, editions_for
+    from ssd_trt.export.block_weights import built_bits
+    from ssd_trt.export.bounded_checks import bounded_parity, bounded_validation
+    from ssd_trt.export.native_graph import native_flavour
+    from ssd_trt.export.onnx_export import save_flavours
+    from ssd_trt.export.streamed import export_streamed
+
+    spec, editions = getattr(recipe, role), editions_for(recipe.engine.tensorrt)
+    bits = built_bits(spec.weights, keep_8bit=spec.activations == "int8")
+    step(f"parity {role} (first {spec.check_layers} layers)")
+    parity = bounded_parity(checkpoint, spec.check_layers)
+    step(f"export {role} (streamed)")
+    ort_graph, binding = export_streamed(checkpoint, out / role, "weights.bin", torch.float32, bits)
+    engine_graph, native = None, None
+    if editions:   # the TensorRT flavours: plain weights in the engine precision, in their own file
+        dtype = getattr(torch, TRT_DTYPES[recipe.engine.trt_precision])
+        engine_graph, _ = export_streamed(checkpoint, out / role, "weights.trt.bin", dtype)
+        if RTX in editions:
+            native = native_flavour(engine_graph, recipe.engine.max_context, checkpoint.config.vocab_size)
+    paths = save_flavours(ort_graph, out / role, engine_graph, datacenter=DATACENTER in editions, native=native)
+    step(f"validate {role} (first {spec.check_layers} layers)")
+    checks = bounded_validation(checkpoint, spec.check_layers, bits, [tuple(s) for s in recipe.validate_shapes],
+                                min(recipe.engine.max_context, TWIN_CAPACITY) if RTX in editions else None)
+    for name, result in checks.items():
+        if not result["passed"]:
+            raise SsdTrtError(f"{role}'s streamed {name} graph disagrees with the torch model on its first "
+                              f"{spec.check_layers} layers (max abs error {result['max_abs_error']:.3g}); see {out}")
+    return {"paths": paths, "parity": parity, "quantization": binding.quantization,
+            "validation": {role: checks["ort"], **({f"{role}_rtx": checks["rtx"]} if "rtx" in checks else {})}}
+
+
+def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: int | None = None) -> Path:
 
     from ssd_trt.export.block_weights import apply_block_weights, model_block_weights
+    from ssd_trt.export.host_memory import peak_rss_bytes
     from ssd_trt.export.native_graph import native_flavour
     from ssd_trt.export.onnx_export import save_flavours, trace_eagle3_step_graph, trace_step_graph
     from ssd_trt.export.parity import transformers_parity
@@ -151,6 +245,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
     out = recipe.resolved_output_dir(root)
     bases = (recipe_path.parent.resolve(), root)
     sources = {role: resolve_source(getattr(recipe, role).source, bases) for role in ROLES}
+    streamed, host_memory = plan_exports(recipe, sources, host_bytes)
     prepare_output_dir(out, recipe, force)
     started = time.time()
     models, hf_configs, tokenizers, parity, validation, artifacts = {}, {}, {}, {}, {}, []
@@ -163,7 +258,9 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
     feature_draft = recipe.draft.kind == "eagle3"
     for role in ROLES:
         step(f"load {role}")
-        if role == "draft" and feature_draft:
+        if role in streamed:   # nothing is loaded: the checkpoint is read tensor by tensor at export
+            models[role], hf_configs[role] = None, streamed[role].hf_config
+        elif role == "draft" and feature_draft:
             models[role], hf_configs[role] = load_feature_draft(sources[role], models["target"])
             # the target's step graph also returns the features this draft reads (issue 19, item 1)
             models["target"] = with_target_features(models["target"], models[role].config.feature_layers)
@@ -178,20 +275,29 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         else:
             tokenizers[role] = load_tokenizer(resolve_source(named, bases) if named else sources[role])
         bar.update()
+    configs = {role: streamed[role].config if role in streamed else decoder_config(models[role]) for role in ROLES}
     step("tokenizer")
-    check_same_tokenizer(tokenizers["target"], tokenizers["draft"], models["target"].config.vocab_size,
-                         decoder_config(models["draft"]).vocab_size)
+    check_same_tokenizer(tokenizers["target"], tokenizers["draft"], configs["target"].vocab_size,
+                         configs["draft"].vocab_size)
     tokenizer_dir = out / "tokenizer"
     tokenizers["target"].save_pretrained(tokenizer_dir)
     artifacts += [{"role": "tokenizer", **artifact_entry(out, p)} for p in sorted(tokenizer_dir.iterdir())]
     bar.update()
-    for role in ROLES:
+    for role in streamed:   # parity, export and validation, bounded, in one pass per model
+        done = export_streamed_role(recipe, role, streamed[role], out, step)
+        parity[role], quantization[role] = done["parity"], done["quantization"]
+        validation.update(done["validation"])
+        artifacts += [{"role": role, "flavour": flavour, **artifact_entry(out, path)}
+                      for flavour, path in done["paths"].items()]
+        bar.update(3)
+    in_memory = [role for role in ROLES if role not in streamed]
+    for role in in_memory:
         step(f"parity {role}")
         parity[role] = ({"max_abs_diff": None, "reason": "an EAGLE-3 head is no transformers model; its graph is "
                                                          "checked against models/eagle3.py"}
                         if role == "draft" and feature_draft else transformers_parity(models[role], sources[role]))
         bar.update()
-    for role in ROLES:
+    for role in in_memory:
         step(f"export {role}")
         # a feature draft (EAGLE-3) has its own step graph: extra per-token inputs and its hidden out
         trace = trace_eagle3_step_graph if role == "draft" and feature_draft else trace_step_graph
@@ -201,7 +307,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         if blocks:
             traced, quantization[role] = apply_block_weights(traced, blocks)
         precision, editions = recipe.engine.trt_precision, editions_for(recipe.engine.tensorrt)
-        trt_traced = None if precision == "fp32" else trace(half_copy(models[role], precision))
+        trt_traced = None if precision == "fp32" or not editions else trace(half_copy(models[role], precision))
         native = None
         if RTX in editions:   # plain weights in the engine precision (block weights are ONNX Runtime's)
             capacity, vocab = recipe.engine.max_context, decoder_config(models[role]).vocab_size
@@ -212,7 +318,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
         for flavour, path in paths.items():
             artifacts.append({"role": role, "flavour": flavour, **artifact_entry(out, path)})
         bar.update()
-    for role in ROLES:
+    for role in in_memory:
         step(f"validate {role}")
         validate = validate_eagle3_graph if role == "draft" and feature_draft else validate_with_polygraphy
         validation[role] = validate(models[role], out / role / "model.ort.onnx", [tuple(s) for s in recipe.validate_shapes])
@@ -229,19 +335,26 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar) -> Path:
     bar.update()
     manifest = Manifest(
         schema_version=SCHEMA_VERSION, recipe=recipe, recipe_path=str(recipe_path),
-        models={role: {"config": decoder_config(models[role]), "hf_config": _jsonable(hf_configs[role]),
+        models={role: {"config": configs[role], "hf_config": _jsonable(hf_configs[role]),
                        "source": str(sources[role].path), "source_sha256": source_fingerprint(sources[role]),
                        "parity_vs_transformers": parity[role], "quantization": quantization.get(role),
-                       "head_token_ids": None if getattr(models[role], "lm_head_token_ids", None) is None
-                       else "embedded in weights"}
+                       "head_token_ids": "embedded in weights" if _reduced_head(models[role], configs[role]) else None}
                 for role in ROLES},
-        tokenizer={"dir": "tokenizer", "vocab_size": models["target"].config.vocab_size,
+        tokenizer={"dir": "tokenizer", "vocab_size": configs["target"].vocab_size,
                    "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
         artifacts=artifacts, validation=validation, tensorrt=tensorrt, tools=tool_versions(),
-        build_seconds=round(time.time() - started, 1))
+        build_seconds=round(time.time() - started, 1),
+        host_memory={**host_memory, "peak_rss_bytes": peak_rss_bytes()})
     write_manifest(out, manifest)
     (out / BUILDING_MARKER).unlink(missing_ok=True)
     return out
+
+
+def _reduced_head(model, config) -> bool:
+    """Whether the model's head covers a subset of the vocabulary (its token ids are in the weights)."""
+    if model is None:     # streamed: the config says
+        return config.head_vocab_size is not None
+    return getattr(model, "lm_head_token_ids", None) is not None
 
 
 def load_feature_draft(source, target) -> tuple[Any, dict]:
@@ -313,7 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--if-stale", action="store_true",
                         help="build only when the output dir is missing or does not match the recipe and its "
                              "model files (what scripts use, so a retrained draft is always rebuilt)")
+    parser.add_argument("--host-memory", type=float, metavar="GIB",
+                        help="plan against this much host memory (GiB) instead of what this machine has available "
+                             "now: checks before any work whether a recipe fits a build host")
     args = parser.parse_args(argv)
+    host_bytes = None if args.host_memory is None else int(args.host_memory * (1 << 30))
     try:
         if args.if_stale:
             target = load_recipe(args.recipe).resolved_output_dir(Path.cwd())
@@ -324,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             else:
                 print(f"rebuilding: {reason}", file=sys.stderr)
-        out = build(args.recipe, force=args.force)
+        out = build(args.recipe, force=args.force, host_bytes=host_bytes)
     except SsdTrtError as error:
         print(f"ssd_trt.build: error: {error}", file=sys.stderr)
         return 2

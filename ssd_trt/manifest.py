@@ -118,6 +118,9 @@ class Manifest(_Strict):
     tensorrt: TensorRTBuild
     tools: dict[str, str | None]
     build_seconds: float
+    # the export path of each model, the memory estimated for it before the build and the peak it reached
+    # (export/host_memory.py); absent from manifests written before it was recorded
+    host_memory: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _a_speculative_pair(self) -> "Manifest":

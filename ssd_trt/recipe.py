@@ -34,6 +34,14 @@ class ModelSpec(BaseModel):
                             "step shapes, engines/ort.py)")
     tokenizer: str | None = Field(None, description="where the tokenizer is: another source, or 'target' "
                                                     "(a draft trained on the target's tokenizer); default: source")
+    export: Literal["auto", "in_memory", "streamed"] = Field(
+        "auto", description="in_memory: the model loaded whole in fp32, traced with its weights and checked whole; "
+                            "streamed: traced as a weightless skeleton, each tensor read from the safetensors "
+                            "checkpoint, converted or quantized and written as it is read (host memory stays near "
+                            "one tensor), checked on its first check_layers layers at full width (export/"
+                            "streamed.py); auto: streamed for HF checkpoints over 256 MiB in fp32 (64M parameters)")
+    check_layers: int = Field(2, ge=1, le=1024, description="layers a streamed model's parity and ONNX checks run at "
+                                                            "full width (with the real embedding and head)")
 
     @field_validator("source")
     @classmethod
@@ -65,11 +73,12 @@ class EngineRecipe(EngineLimits):
     """The engine limits (``engines/limits.py``: validated there, once) and how to build the engines."""
     model_config = ConfigDict(extra="forbid", frozen=True)
     backend: Literal["auto", "ort", "trt"] = "auto"
-    tensorrt: Literal["auto", "datacenter", "rtx"] = Field(
+    tensorrt: Literal["auto", "datacenter", "rtx", "none"] = Field(
         "auto", description="which TensorRT builds the plans (ssd_trt/trt/editions.py): datacenter (tensorrt, on "
                             "the GPU it runs on, tree attention as a plugin), rtx (TensorRT for RTX, ahead of time "
                             "without a GPU, native attention layer), auto (export both flavours; build with "
-                            "whichever can build here, data-centre first)")
+                            "whichever can build here, data-centre first), none (ONNX Runtime only: no TensorRT "
+                            "flavour is exported)")
     # TensorRT for RTX 1.7's ComputeCapability enum: no sm90, so a Hopper GPU cannot run these plans
     compute_capabilities: tuple[Literal["sm75", "sm80", "sm86", "sm89", "sm120", "sm121"], ...] = Field(
         ("sm86", "sm89", "sm120"), min_length=1,
@@ -77,6 +86,13 @@ class EngineRecipe(EngineLimits):
                     "the data-centre edition builds for the GPU it runs on")
     trt_precision: Literal["fp32", "fp16", "bf16"] = "fp16"
     threads_per_engine: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads")
+
+    @model_validator(mode="after")
+    def _tensorrt_for_trt(self) -> "EngineRecipe":
+        if self.backend == "trt" and self.tensorrt == "none":
+            raise ValueError("engine.backend 'trt' needs a TensorRT edition, but engine.tensorrt is 'none'; set "
+                             "engine.tensorrt to auto, datacenter or rtx, or engine.backend to ort")
+        return self
 
     @field_validator("compute_capabilities")
     @classmethod

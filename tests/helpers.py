@@ -44,30 +44,75 @@ def perturbed(model: Decoder, seed: int, amount: float) -> Decoder:
     return copy.eval()
 
 
-def save_hf_checkpoint(model: Decoder, directory: Path) -> Path:
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    c = model.config
-    directory.mkdir(parents=True, exist_ok=True)
+def hf_llama_config(c: DecoderConfig, dtype: str = "float32") -> dict:
+    """The HF config.json of a Llama decoder of config ``c``."""
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
           "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
           "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2,
-          "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
-    (directory / "config.json").write_text(json.dumps(hf, indent=1))
-    state = {("model." + k if not k.startswith("lm_head") else k): v.contiguous()
-             for k, v in model.state_dict().items() if k != "inv_freq"}
-    save_file(state, str(directory / "model.safetensors"))
+          "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype}
+    if c.rope_scaling:
+        hf["rope_scaling"] = dict(c.rope_scaling)
+    return hf
+
+
+def save_word_tokenizer(vocab_size: int, directory: Path) -> None:
+    """A real WordLevel tokenizer over ``vocab_size`` words (w3, w4, ...), saved in HF format."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, c.vocab_size)})
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(directory)
+
+
+def save_hf_checkpoint(model: Decoder, directory: Path) -> Path:
+    from safetensors.torch import save_file
+
+    c = model.config
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf_llama_config(c), indent=1))
+    state = {("model." + k if not k.startswith("lm_head") else k): v.contiguous()
+             for k, v in model.state_dict().items() if k != "inv_freq"}
+    save_file(state, str(directory / "model.safetensors"))
+    save_word_tokenizer(c.vocab_size, directory)
+    return directory
+
+
+def write_random_checkpoint(config: DecoderConfig, directory: Path, shards: int = 1, seed: int = 0,
+                            dtype: torch.dtype = torch.bfloat16, std: float = 0.02) -> Path:
+    """A random-weight HF checkpoint of any size, written shard by shard (never the whole model in memory):
+    every weight N(0, std) (the embedding too: a much larger one makes a tied head repeat the last token), norms
+    1. With ``shards`` > 1, files model-0000i-of-0000N.safetensors and model.safetensors.index.json."""
+    from safetensors.torch import save_file
+
+    from ssd_trt.models.checkpoint import expected_tensors
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(expected_tensors(config).items())
+    generator = torch.Generator().manual_seed(seed)
+    per_shard = -(-len(names) // shards)
+    weight_map = {}
+    for index in range(shards):
+        file = "model.safetensors" if shards == 1 else f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        state = {}
+        for name, shape in names[index * per_shard:(index + 1) * per_shard]:
+            if "norm" in name:
+                tensor = torch.ones(shape, dtype=dtype)
+            else:
+                tensor = (torch.randn(shape, generator=generator) * std).to(dtype)
+            state[name] = tensor
+            weight_map[name] = file
+        save_file(state, str(directory / file))
+        del state
+    if shards > 1:
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    (directory / "config.json").write_text(json.dumps(hf_llama_config(config, name), indent=1))
+    save_word_tokenizer(config.vocab_size, directory)
     return directory
 
 

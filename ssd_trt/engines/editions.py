@@ -59,7 +59,9 @@ EDITIONS: dict[str, Edition] = {DATACENTER.name: DATACENTER, RTX.name: RTX}
 
 
 def editions_for(choice: str) -> tuple[Edition, ...]:
-    """The editions a recipe's ``engine.tensorrt`` asks for, in preference order (``auto``: both)."""
+    """The editions a recipe's ``engine.tensorrt`` asks for, in preference order (``auto``: both; ``none``: none)."""
+    if choice == "none":
+        return ()
     return (DATACENTER, RTX) if choice == "auto" else (EDITIONS[choice],)
 
 

@@ -56,7 +56,7 @@ def apply_block_weights(model: onnx.ModelProto, blocks: dict[str, BlockWeight]) 
         after += sum(_bytes(init) for init in inits)
         replaced.append(prefix)
         kinds[weight.kind] = kinds.get(weight.kind, 0) + 1
-    _set_default_opset(model, OPSET)
+    set_default_opset(model, OPSET)
     return model, {"layers": len(replaced), "kinds": kinds, "fp32_bytes_replaced": before, "block_bytes": after}
 
 
@@ -70,9 +70,7 @@ def _block_matmul(prefix: str, matmul: onnx.NodeProto, weight: BlockWeight
     else:
         q = numpy_helper.from_array(weight.values.astype(np.int8), f"{prefix}.q")
     inits = [q, numpy_helper.from_array(weight.scales.astype(np.float32), f"{prefix}.scale")]
-    ahead = [helper.make_node("DequantizeLinear", [f"{prefix}.q", f"{prefix}.scale"], [f"{prefix}.w"], axis=0,
-                              block_size=BLOCK, name=f"{prefix}.dequantize")]
-    matmul.input[1] = f"{prefix}.w"
+    ahead = [dequantize_into(prefix, matmul)]
     if weight.offsets is None:
         return ahead, [], inits
     # x W = x DQ + blocksums32(x) M': sum x over each block of 32 inputs, then a [K/32, N] MatMul
@@ -88,14 +86,26 @@ def _block_matmul(prefix: str, matmul: onnx.NodeProto, weight: BlockWeight
     return ahead, [helper.make_node("Add", [main, f"{prefix}.offset_term"], [out], name=f"{prefix}.add_offsets")], inits
 
 
-def int4_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
-    """An INT4 initializer from int8 values in -8..7, packed as ONNX stores it: two a byte, the first in
-    the low nibble (row-major)."""
+def dequantize_into(prefix: str, matmul: onnx.NodeProto) -> onnx.NodeProto:
+    """The DequantizeLinear of ``<prefix>.q`` / ``<prefix>.scale`` (symmetric, block-32 along K), rewired into
+    ``matmul`` as its weight: the node to put ahead of it."""
+    matmul.input[1] = f"{prefix}.w"
+    return helper.make_node("DequantizeLinear", [f"{prefix}.q", f"{prefix}.scale"], [f"{prefix}.w"], axis=0,
+                            block_size=BLOCK, name=f"{prefix}.dequantize")
+
+
+def pack_int4(values: np.ndarray) -> bytes:
+    """int8 values in -8..7 packed as ONNX stores INT4: two a byte, the first in the low nibble (row-major)."""
     flat = (values.reshape(-1).astype(np.int16) & 0x0F).astype(np.uint8)
     if flat.size % 2:
         flat = np.append(flat, np.uint8(0))
+    return (flat[0::2] | (flat[1::2] << 4)).tobytes()
+
+
+def int4_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
+    """An INT4 initializer from int8 values in -8..7 (:func:`pack_int4`)."""
     tensor = TensorProto(name=name, data_type=TensorProto.INT4, dims=list(values.shape))
-    tensor.raw_data = (flat[0::2] | (flat[1::2] << 4)).tobytes()
+    tensor.raw_data = pack_int4(values)
     return tensor
 
 
@@ -105,7 +115,7 @@ def _bytes(init: onnx.TensorProto) -> int:
     return numpy_helper.to_array(init).nbytes
 
 
-def _set_default_opset(model: onnx.ModelProto, version: int) -> None:
+def set_default_opset(model: onnx.ModelProto, version: int) -> None:
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx") and opset.version < version:
             opset.version = version
@@ -137,10 +147,7 @@ def model_block_weights(weights: str, source, model, keep_8bit: bool = True) -> 
                               f"file; use weights: float, int8 or int4 for this model")
         blocks = decoder_block_weights(source.path, model)
         return {name: b for name, b in blocks.items() if keep_8bit or b.bits != 8}
-    bits = 8 if weights == "int8" else 4
-    if bits == 8 and not keep_8bit:
-        raise RecipeError("weights: int8 needs activations: int8 for the same model (ONNX Runtime's 8-bit MatMul "
-                          "with fp32 activations is slower than fp32 weights); or use weights: int4")
+    bits = built_bits(weights, keep_8bit)
     blocks = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module.in_features % BLOCK == 0:
@@ -149,3 +156,15 @@ def model_block_weights(weights: str, source, model, keep_8bit: bool = True) -> 
                 module.weight.copy_(torch.from_numpy(np.ascontiguousarray(block.dequantize().T)))
             blocks[name] = block
     return blocks
+
+
+def built_bits(weights: str, keep_8bit: bool) -> int | None:
+    """The bits of a recipe's block weights quantized at build (``int8`` / ``int4``), None otherwise; refuses
+    int8 weights without int8 activations (``keep_8bit``)."""
+    if weights not in ("int8", "int4"):
+        return None
+    if weights == "int8" and not keep_8bit:
+        from ssd_trt.errors import RecipeError
+        raise RecipeError("weights: int8 needs activations: int8 for the same model (ONNX Runtime's 8-bit MatMul "
+                          "with fp32 activations is slower than fp32 weights); or use weights: int4")
+    return 8 if weights == "int8" else 4

@@ -88,20 +88,27 @@ def _step_args(batch: int, num_new: int) -> tuple[torch.Tensor, ...]:
 
 
 def _trace(wrapper: torch.nn.Module, args: tuple, inputs: list[str], outputs: list[str],
-           dynamic: dict[str, dict[int, str]]) -> onnx.ModelProto:
+           dynamic: dict[str, dict[int, str]], weights_as_inputs: bool = False) -> onnx.ModelProto:
+    """``weights_as_inputs``: the parameters become graph inputs named after them, with no data in the graph
+    (``export/streamed.py`` binds them from the checkpoint); no deduplication of equal-valued parameters."""
     _register_symbolic()
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(wrapper, args, buffer, input_names=inputs, output_names=outputs,
                           dynamic_axes=dynamic, opset_version=OPSET, dynamo=False,
-                          custom_opsets={DOMAIN: 1}, do_constant_folding=True)
+                          custom_opsets={DOMAIN: 1}, do_constant_folding=True,
+                          export_params=not weights_as_inputs, keep_initializers_as_inputs=weights_as_inputs)
     return onnx.load_from_string(buffer.getvalue())
 
 
-def trace_step_graph(model: Decoder) -> onnx.ModelProto:
-    """Trace the step graph with dynamic batch, new-token count, logit count, mask words and cache capacity."""
-    model = with_named_weights(model)          # every linear's weight is an initializer '<module>.weight_t'
+def trace_step_graph(model: Decoder, weights_as_inputs: bool = False) -> onnx.ModelProto:
+    """Trace the step graph with dynamic batch, new-token count, logit count, mask words and cache capacity.
+
+    ``weights_as_inputs``: ``model`` already has named weights (a skeleton from ``export/streamed.py``) and
+    they are left as graph inputs for the caller to bind."""
+    if not weights_as_inputs:
+        model = with_named_weights(model)      # every linear's weight is an initializer '<module>.weight_t'
     batch, num_new, capacity = 2, 3, 8
     inputs, outputs = io_names(model.config.num_layers, features=bool(model.feature_layers))
     dynamic = dict(STEP_DYNAMIC_AXES)
@@ -110,7 +117,7 @@ def trace_step_graph(model: Decoder) -> onnx.ModelProto:
     past, present = cache_names(model.config.num_layers)
     dynamic.update({name: CACHE_AXES for name in (*past, *present)})
     return _trace(_StepGraph(model), (*_step_args(batch, num_new), *model.empty_caches(batch, capacity)),
-                  inputs, outputs, dynamic)
+                  inputs, outputs, dynamic, weights_as_inputs)
 
 
 
@@ -197,9 +204,20 @@ def trt_flavour(traced: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def external_files(model: onnx.ModelProto) -> list[str]:
+    """The external-data files ``model``'s initializers point at, in order of first use."""
+    files: dict[str, None] = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            files.update({entry.value: None for entry in tensor.external_data if entry.key == "location"})
+    return list(files)
+
+
 def _externalise(traced: onnx.ModelProto, out_dir: Path, weights_file: str) -> onnx.ModelProto:
-    """Move weights into ``out_dir/weights_file`` (written once); return the proto that points at it."""
-    (out_dir / weights_file).unlink(missing_ok=True)
+    """Move weights into ``out_dir/weights_file`` (written once); return the proto that points at it.
+    Tensors already external (a streamed export's, ``streamed.py``) stay where they are."""
+    if weights_file not in external_files(traced):
+        (out_dir / weights_file).unlink(missing_ok=True)
     shared = onnx.ModelProto()
     shared.CopyFrom(traced)
     external_data_helper.convert_model_to_external_data(shared, all_tensors_to_one_file=True,
@@ -219,15 +237,22 @@ def save_flavours(traced: onnx.ModelProto, out_dir: Path, trt_traced: onnx.Model
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     shared = _externalise(traced, out_dir, "weights.bin")
-    paths = {"ort": out_dir / "model.ort.onnx", "weights": out_dir / "weights.bin"}
+    paths = {"ort": out_dir / "model.ort.onnx"}
+    saved = [shared]
     onnx.save_model(ort_flavour(shared), paths["ort"])
     if datacenter:
         if trt_traced is not None:
             shared = _externalise(trt_traced, out_dir, "weights.trt.bin")
-            paths["trt_weights"] = out_dir / "weights.trt.bin"
         paths["trt"] = out_dir / "model.trt.onnx"
+        saved.append(shared)
         onnx.save_model(trt_flavour(shared), paths["trt"])
     if native is not None:
-        paths["rtx"], paths["rtx_weights"] = out_dir / "model.rtx.onnx", out_dir / "weights.rtx.bin"
-        onnx.save_model(_externalise(native, out_dir, "weights.rtx.bin"), paths["rtx"])
+        paths["rtx"] = out_dir / "model.rtx.onnx"
+        saved.append(_externalise(native, out_dir, "weights.rtx.bin"))
+        onnx.save_model(saved[-1], paths["rtx"])
+    # every weight file a saved graph reads, under the flavour label the manifest has always used for it
+    labels = {"weights.bin": "weights", "weights.trt.bin": "trt_weights", "weights.rtx.bin": "rtx_weights"}
+    for graph in saved:
+        for name in external_files(graph):
+            paths.setdefault(labels.get(name, name), out_dir / name)
     return paths

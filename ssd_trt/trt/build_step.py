@@ -30,6 +30,8 @@ def maybe_build_engines(recipe: Recipe, out: Path) -> dict[str, Any]:
     """Build both models' plans with the first edition of ``engine.tensorrt`` that can build here."""
     if recipe.engine.backend == "ort":
         return {"status": "skipped", "reason": "recipe asks for backend 'ort' (ONNX Runtime only)", "plans": []}
+    if not editions_for(recipe.engine.tensorrt):
+        return {"status": "skipped", "reason": "recipe sets engine.tensorrt: none (ONNX Runtime only)", "plans": []}
     reasons = []
     for edition in editions_for(recipe.engine.tensorrt):
         able, reason = can_build(edition)

@@ -1,0 +1,98 @@
+"""The build's checks for a streamed (large) model: real, at full width, on the checkpoint's first layers.
+
+A model too large to hold twice in fp32 is checked through its first ``layers`` decoder layers with the real
+embedding, final norm and LM head (``streamed.first_layers``):
+
+* **parity**: the project's decoder against transformers' implementation of the same cut checkpoint (fp32
+  logits on a fixed token sequence), as ``parity.transformers_parity`` does for a whole small model;
+* **validation**: the cut checkpoint exported by the same streamed code as the full graph (same types, same
+  quantization), run in ONNX Runtime against a torch decoder holding exactly the graph's weights (dequantized
+  where they are blocks), on the recipe's step shapes (Polygraphy, ``validate.py``);
+* **rtx**: the native-attention rewrite of the cut checkpoint's fp32 graph, the same way.
+
+The full graph is written by the same functions; what is checked on it without running it is its structure
+(``streamed.check_structure``). Each result says what it covered (``scope``).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ssd_trt.export.onnx_export import save_flavours
+from ssd_trt.export.parity import PARITY_TOKENS, decoder_logits
+from ssd_trt.export.streamed import export_streamed, first_layers, reference_decoder
+from ssd_trt.export.validate import validate_with_polygraphy
+from ssd_trt.models.checkpoint import Checkpoint
+
+
+def scope(checkpoint: Checkpoint, layers: int) -> str:
+    total = checkpoint.config.num_layers
+    return (f"the first {min(layers, total)} of {total} decoder layers at full width, with the real embedding, "
+            "final norm and LM head (the full graph is written by the same code; its structure is checked)")
+
+
+def bounded_parity(checkpoint: Checkpoint, layers: int) -> dict:
+    """Max |logit difference| between this project's decoder and transformers on the cut checkpoint (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ssd_trt.models.loading import decoder_from_checkpoint
+    cut = first_layers(checkpoint, layers)
+    state = {name: cut.tensor(name).float() for name in cut.tensors}
+    ours = decoder_from_checkpoint(cut.hf_config, state)
+    ids = torch.tensor([[t % cut.config.vocab_size for t in PARITY_TOKENS]])
+    config = AutoConfig.for_model(**cut.hf_config)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = reference.load_state_dict(state, strict=False, assign=True)
+    if cut.config.tie_word_embeddings:
+        reference.tie_weights()
+        missing = [name for name in missing if name != "lm_head.weight"]
+    missing = [name for name in missing if not name.endswith("inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"transformers' {config.model_type} does not take the cut checkpoint: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    for name, buffer in reference.named_buffers():   # rotary tables were made on the meta device: rebuild them
+        if buffer.is_meta:
+            _rebuild_rotary(reference)
+            break
+    with torch.no_grad():
+        expected = reference.eval()(ids).logits
+    got = decoder_logits(ours, ids)
+    return {"max_abs_diff": float((got - expected).abs().max()), "logit_scale": float(expected.abs().max()),
+            "tokens": ids.shape[1], "reference": "transformers AutoModelForCausalLM of the cut checkpoint",
+            "scope": scope(checkpoint, layers)}
+
+
+def _rebuild_rotary(model) -> None:
+    """Re-create transformers' rotary embedding modules on the CPU (their buffers are computed, not loaded)."""
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            if type(child).__name__.endswith("RotaryEmbedding"):
+                setattr(parent, name, type(child)(config=model.config))
+
+
+def bounded_validation(checkpoint: Checkpoint, layers: int, bits: int | None, shapes: list[tuple[int, int]],
+                       native_capacity: int | None = None) -> dict[str, dict]:
+    """ONNX Runtime vs torch on the cut checkpoint's streamed graph (and its native-attention rewrite when
+    ``native_capacity`` is given); ``{"ort": result, "rtx": result}``."""
+    from ssd_trt.export.native_graph import native_flavour
+    cut = first_layers(checkpoint, layers)
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch)
+        graph, binding = export_streamed(cut, out, "weights.bin", torch.float32, bits, keep_computed=True)
+        path = save_flavours(graph, out, datacenter=False)["ort"]
+        results["ort"] = validate_with_polygraphy(reference_decoder(cut.config, binding.computed), path, shapes)
+        if native_capacity is not None:
+            (out / "rtx").mkdir()
+            plain, binding = export_streamed(cut, out / "rtx", "weights.bin", torch.float32, None, keep_computed=True)
+            native = native_flavour(plain, native_capacity, cut.config.vocab_size)
+            path = save_flavours(plain, out / "rtx", datacenter=False, native=native)["rtx"]
+            results["rtx"] = {**validate_with_polygraphy(reference_decoder(cut.config, binding.computed), path,
+                                                         shapes, capacity=native_capacity),
+                              "checked_as": "fp32 rewrite of the cut checkpoint's graph"}
+    for result in results.values():
+        result["scope"] = scope(checkpoint, layers)
+    return results

@@ -1,0 +1,61 @@
+"""Host memory a build needs, estimated before any long work, and the build's measured peak.
+
+The estimates are the measured behaviour of each export path, not a bound proved from the code:
+
+* in memory (``build._build``'s own path): the model in fp32, a traced copy with named weights, the ONNX proto
+  and its serialised copies, the transformers parity copy and the validation sessions. A 0.22B-parameter
+  Llama (2 layers of the 1B body) added 6.2 GB to the build's resident set while it was exported in memory:
+  28 bytes per parameter, plus the libraries' 1 GiB (a 1.07B one reached 13.4 GB before it failed, issue 33).
+* streamed (``export/streamed.py``): the libraries and the trace (1.5 GiB measured on a 1B skeleton), a few
+  fp32 copies of the largest tensor while it is converted in ~64 MB blocks (the tracer materialises each
+  zero-stride weight once in fp32 as it multiplies by it), and the bounded checks' cut model in fp32, held by
+  this decoder, transformers (sharing its tensors) and ONNX Runtime's session.
+"""
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+GIB = 1 << 30
+IN_MEMORY_BYTES_PER_PARAM = 28
+LIBRARIES_BYTES = 1 * GIB
+STREAMED_BASE_BYTES = 3 * GIB // 2
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one model's export is expected to need at its peak, and why."""
+    role: str
+    path: str            # "in_memory" | "streamed"
+    params: int
+    peak_bytes: int
+
+    def describe(self) -> str:
+        return f"{self.role}: {self.params / 1e9:.2f}B parameters, {self.path} export, ~{self.peak_bytes / GIB:.1f} GiB"
+
+
+def in_memory_peak(params: int) -> int:
+    return IN_MEMORY_BYTES_PER_PARAM * params + LIBRARIES_BYTES
+
+
+def streamed_peak(largest_tensor_numel: int, checked_params: int) -> int:
+    return STREAMED_BASE_BYTES + 3 * 4 * largest_tensor_numel + 3 * 4 * checked_params
+
+
+def available_bytes() -> int:
+    """Memory the kernel says can be had now without swapping (MemAvailable), else the physical total."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peak_rss_bytes() -> dict[str, int]:
+    """The highest resident set this process (and, separately, its finished children) reached so far."""
+    return {"self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
