@@ -65,6 +65,12 @@ def test_export_writes_two_models_with_trtllm_tensor_names(smollm2_build, tmp_pa
     assert str(smollm2_build.resolve()) in stream and (repo / "ssd_trt" / "1" / "model.py").is_file()
     with pytest.raises(ssd_trt.errors.SsdTrtError, match="max-batch-rows"):
         export_repository(smollm2_build, tmp_path / "bad", ExportOptions(max_batch_rows=99))
+    # no CUDA device here, so the default (auto) serves on CPU; a GPU runtime is asked for explicitly
+    assert "kind: KIND_CPU" in stream
+    gpu = export_repository(smollm2_build, tmp_path / "gpu", ExportOptions(runtime_options={"backend": "torch"}))
+    assert "kind: KIND_GPU" in (gpu / "ssd_trt" / "config.pbtxt").read_text()
+    assert "kind: KIND_GPU" in export_repository(smollm2_build, tmp_path / "gpu2", ExportOptions(instance_kind="gpu")
+                                                 ).joinpath("ssd_trt", "config.pbtxt").read_text()
 
 
 # -- the serving venv -----------------------------------------------------------------------------

@@ -38,7 +38,9 @@ QWEN3_06B = dict(num_q_heads=16, num_kv_heads=8, head_dim=128)
 
 # (sm, dtype, tactic, heads): every tactic on sm_90, the largest tile on sm_80.
 COMPILES = [(90, "fp16", 1, LLAMA_8B), (90, "fp16", 2, LLAMA_8B), (90, "bf16", 1, QWEN3_06B),
-            (90, "fp32", 3, LLAMA_8B), (80, "bf16", 2, LLAMA_8B), (80, "fp16", 1, QWEN3_06B)]
+            (90, "fp32", 3, LLAMA_8B), (80, "bf16", 2, LLAMA_8B), (80, "fp16", 1, QWEN3_06B),
+            # Blackwell: sm_100a needs PTX ISA 8.6 and sm_120a 8.7 (8.0 fails to compile for them)
+            (100, "bf16", 1, LLAMA_8B), (120, "fp16", 1, QWEN3_06B)]
 
 
 def find_ptxas() -> str | None:
@@ -66,8 +68,8 @@ def test_ptx_entry_matches_the_tensorrt_calling_convention(compiled):
     declaration = kernel.ptx[kernel.ptx.index(".entry"):kernel.ptx.index(")")]
     kinds = re.findall(r"\.param \.(u64|u32)", declaration)
     assert kinds == ["u64"] * 7 + ["u32"] * 2 + ["u64"] * 3
-    assert f".target sm_{sm}" in kernel.ptx and f".version {DEFAULT_PTX_VERSION // 10}.{DEFAULT_PTX_VERSION % 10}" \
-        in kernel.ptx
+    version = {100: 86, 120: 87}.get(sm, DEFAULT_PTX_VERSION)      # the oldest ISA each architecture accepts
+    assert f".target sm_{sm}" in kernel.ptx and f".version {version // 10}.{version % 10}" in kernel.ptx
     assert f".reqntid {kernel.block_x}" in kernel.ptx and kernel.block_x == spec.num_warps * 32 == 128
     assert 0 < kernel.shared_mem <= SHARED_MEMORY_LIMIT
 

@@ -7,8 +7,10 @@ name, the PTX text and the launch parameters (threads per block, dynamic shared 
 Two adjustments make the PTX safe to launch from TensorRT:
 
 * PTX ISA version. Triton writes the newest version its bundled ``ptxas`` knows (9.x for sm_90),
-  which older drivers refuse to JIT. We pin ``DEFAULT_PTX_VERSION`` = 8.0 (every CUDA 12+ driver,
-  and the minimum that sm_90a needs).
+  which older drivers refuse to JIT. We pin the oldest version that the target architecture accepts
+  (:func:`ptx_version_for`): 8.0 up to Hopper (every CUDA 12+ driver; sm_90a's minimum), 8.6 for
+  Blackwell data-centre sm_100a (CUDA 12.8), 8.7 for sm_120a (CUDA 12.8), 8.8 for sm_103a / sm_121a (CUDA
+  12.9); LLVM refuses an older one ("PTX version 8.0 does not support target 'sm_120a'").
 * Alignment. Pointer parameters are declared 16-byte aligned (TensorRT and torch allocate with at
   least 256-byte alignment and the runtime binds whole buffers or leading-dimension slices of them),
   which lets Triton vectorise the loads.
@@ -34,6 +36,17 @@ from plugins.tree_attention.triton_kernel import KERNEL_INPUTS, KERNEL_OUTPUTS, 
     kernel_function
 
 DEFAULT_PTX_VERSION = 80
+# the PTX ISA each architecture (Triton targets the "a" variants) first appeared in (PTX ISA release notes)
+MINIMUM_PTX_VERSION = {100: 86, 101: 86, 103: 88, 110: 90, 120: 87, 121: 88}
+
+
+def ptx_version_for(sm: int) -> int:
+    """The oldest PTX ISA version (x10) that compiles for ``sm``: the widest range of drivers that run it."""
+    if sm in MINIMUM_PTX_VERSION:
+        return MINIMUM_PTX_VERSION[sm]
+    if sm > max(MINIMUM_PTX_VERSION):
+        raise ValueError(f"sm_{sm} is newer than this table of PTX ISA versions; pass ptx_version explicitly")
+    return DEFAULT_PTX_VERSION
 # TensorRT launches AOT kernels with the default dynamic shared-memory limit; above 48 KiB a kernel
 # needs an explicit opt-in (cuFuncSetAttribute) that we cannot count on, so stay below it.
 SHARED_MEMORY_LIMIT = 48 * 1024
@@ -85,8 +98,10 @@ def strip_unused_trailing_params(ptx: str, name: str, keep: int) -> str:
     return ptx[:match.start()] + new_decl + body
 
 
-def compile_ptx(spec: KernelSpec, sm: int, ptx_version: int = DEFAULT_PTX_VERSION) -> PtxKernel:
-    """Compile ``spec`` to PTX for compute capability ``sm`` (e.g. 90 for H100/H200, 80 for A100)."""
+def compile_ptx(spec: KernelSpec, sm: int, ptx_version: int | None = None) -> PtxKernel:
+    """Compile ``spec`` to PTX for compute capability ``sm`` (e.g. 90 for H100/H200, 80 for A100); the PTX
+    ISA version defaults to the oldest ``sm`` accepts."""
+    ptx_version = ptx_version_for(sm) if ptx_version is None else ptx_version
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: Triton's standard library is then interpreted and cannot "
                            "be compiled. Unset it to compile PTX.")
@@ -130,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-s", type=int, default=64)
     parser.add_argument("--block-n", type=int, default=32)
     parser.add_argument("--num-stages", type=int, default=2)
-    parser.add_argument("--ptx-version", type=int, default=DEFAULT_PTX_VERSION)
+    parser.add_argument("--ptx-version", type=int, help="PTX ISA version x10 (default: the oldest --sm accepts)")
     parser.add_argument("--out", type=Path, help="write the PTX to this file")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     args = parser.parse_args(argv)

@@ -18,6 +18,7 @@ costs 0.4-3 ms where the eager step costs 3-40 ms. A step may be padded up to a 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -97,12 +98,18 @@ class StepGraph:
     ``launch`` enqueues the step on the current stream and reads/writes only buffers whose addresses
     never change. The first :meth:`run` executes it eagerly (TensorRT must run once before capture,
     and this run *is* the step), then captures it; later calls replay the graph.
+
+    A capture that fails (an engine or kernel that cannot be captured: a host synchronisation inside it, an
+    allocation, an unsupported TensorRT layer) costs speed, never the request: the bucket runs eagerly from then
+    on and :attr:`failure` says why. Nothing of the failed capture ran (capture records launches, it does not
+    execute them), and the step itself already ran eagerly before it.
     """
 
     def __init__(self, launch: Callable[[], None], stream) -> None:
         self._launch = launch
         self._stream = stream
         self._graph = None
+        self.failure: str | None = None
 
     @property
     def captured(self) -> bool:
@@ -118,11 +125,19 @@ class StepGraph:
             return
         with torch.cuda.stream(self._stream):
             self._launch()
+        if self.failure is not None:
+            return
         self._stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread (the other engine) may launch work while this one captures.
-        with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-            self._launch()
+        try:
+            # thread_local: another thread (the other engine) may launch work while this one captures.
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._launch()
+        except RuntimeError as error:
+            self.failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            warnings.warn(f"CUDA graph capture failed ({self.failure}); this step shape runs eagerly", RuntimeWarning,
+                          stacklevel=2)
+            return
         self._graph = graph
 
 

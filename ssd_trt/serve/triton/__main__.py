@@ -35,7 +35,7 @@ def _export(args: argparse.Namespace) -> int:
     options = ExportOptions(model_name=args.model_name, instances=args.instances,
                             max_batch_rows=args.max_batch_rows, runtime_options=json.loads(args.runtime_options),
                             verify_checksums=not args.no_verify, warmup=not args.no_warmup,
-                            nonstream=not args.no_nonstream)
+                            nonstream=not args.no_nonstream, instance_kind=args.instance_kind)
     out = export_repository(args.build_dir, args.out, options)
     models = sorted(p.name for p in out.iterdir() if (p / "config.pbtxt").is_file())
     print(f"wrote Triton model repository {out}: {', '.join(models)}")
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--no-verify", action="store_true", help="skip artifact checksums at load")
     export.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation at load")
     export.add_argument("--no-nonstream", action="store_true", help="only the decoupled (streaming) model")
+    export.add_argument("--instance-kind", default="auto", choices=("auto", "cpu", "gpu"),
+                        help="Triton instance kind (auto: GPU when the model runs on one, see repository.py)")
     export.set_defaults(func=_export)
 
     start = sub.add_parser("start", help="run tritonserver (CPU, 127.0.0.1 only) on a model repository")

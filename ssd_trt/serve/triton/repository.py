@@ -51,13 +51,34 @@ class ExportOptions:
     verify_checksums: bool = True
     warmup: bool = True
     nonstream: bool = True                  # also write the <name>_nonstream twin
+    instance_kind: str = "auto"             # cpu | gpu | auto (instance_kind_for)
 
 
 def _block(entries: list[str]) -> str:
     return ",\n".join(entries)
 
 
-def render_config(name: str, decoupled: bool, parameters: dict[str, str], instances: int) -> str:
+INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
+
+
+def instance_kind_for(choice: str, backend: str | None, has_plans: bool) -> str:
+    """Triton's instance kind: ``cpu`` / ``gpu`` as asked; ``auto`` is GPU when the model will run on one (the
+    runtime options ask for the trt or torch backend, or leave it to the build, which has TensorRT plans, on a
+    host with a CUDA device), else CPU (ONNX Runtime: a GPU instance would fail to load on a CPU-only server)."""
+    if choice not in (*INSTANCE_KINDS, "auto"):
+        raise SsdTrtError(f"--instance-kind must be cpu, gpu or auto, got {choice!r}")
+    if choice != "auto":
+        return INSTANCE_KINDS[choice]
+    if backend in ("trt", "torch"):
+        return INSTANCE_KINDS["gpu"]
+    if backend in (None, "auto") and has_plans:
+        from ssd_trt.engines.availability import probe_cuda
+        return INSTANCE_KINDS["gpu" if probe_cuda()[0] else "cpu"]
+    return INSTANCE_KINDS["cpu"]
+
+
+def render_config(name: str, decoupled: bool, parameters: dict[str, str], instances: int,
+                  kind: str = "KIND_CPU") -> str:
     """config.pbtxt text for one model."""
     inputs = [f'  {{ name: "{n}" data_type: {t} dims: {d}{" optional: true" if opt else ""} }}'
               for n, t, d, opt in INPUTS]
@@ -67,7 +88,7 @@ def render_config(name: str, decoupled: bool, parameters: dict[str, str], instan
             f'name: "{name}"\nbackend: "python"\nmax_batch_size: 1\n'
             f'model_transaction_policy {{ decoupled: {"true" if decoupled else "false"} }}\n'
             f'input [\n{_block(inputs)}\n]\noutput [\n{_block(outputs)}\n]\n'
-            f'instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n'
+            f'instance_group [ {{ count: {instances} kind: {kind} }} ]\n'
             f'parameters [\n{_block(params)}\n]\n')
 
 
@@ -88,6 +109,8 @@ def export_repository(artifact_dir: str | Path, out: str | Path, options: Export
         RuntimeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.runtime_options.items()})
     except TypeError as exc:
         raise SsdTrtError(f"--runtime-options: {exc}; fields are those of ssd_trt.RuntimeOptions") from None
+    kind = instance_kind_for(options.instance_kind, options.runtime_options.get("backend"),
+                             bool(manifest.tensorrt.plans))
     for role in ("target", "draft"):
         if not (artifact_dir / role).is_dir():
             raise ArtifactError(f"{artifact_dir} has no {role}/ directory; rebuild it")
@@ -106,6 +129,6 @@ def export_repository(artifact_dir: str | Path, out: str | Path, options: Export
         if model_dir.exists():
             shutil.rmtree(model_dir)
         (model_dir / "1").mkdir(parents=True)
-        (model_dir / "config.pbtxt").write_text(render_config(name, decoupled, parameters, options.instances))
+        (model_dir / "config.pbtxt").write_text(render_config(name, decoupled, parameters, options.instances, kind))
         (model_dir / "1" / "model.py").write_text(MODEL_PY)
     return out
