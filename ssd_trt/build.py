@@ -108,7 +108,8 @@ def stale_reason(recipe_path: Path, root: Path | None = None) -> str | None:
 def _missing_plans(recipe: Recipe, manifest) -> str | None:
     """Why a build made without TensorRT for RTX is stale once it is installed (its plans need no GPU)."""
     from ssd_trt.engines.editions import RTX, editions_for
-    if recipe.engine.backend == "ort" or RTX not in editions_for(recipe.engine.tensorrt) or manifest.tensorrt.plans:
+    if recipe.engine.backend in ("ort", "torch") or RTX not in editions_for(recipe.engine.tensorrt) \
+            or manifest.tensorrt.plans:
         return None
     if RTX.installed():
         return (f"TensorRT for RTX ({RTX.module}) is installed now and the build has no plans "
@@ -133,103 +134,12 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None, host
 
 BUILD_STEPS = ["load target", "load draft", "tokenizer", "parity target", "parity draft", "export target",
                "export draft", "validate target", "validate draft", "tensorrt"]
-STREAM_ABOVE_BYTES = 256 << 20   # export: auto streams an HF checkpoint larger than this in fp32 (64M parameters)
-
-
-def plan_exports(recipe: Recipe, sources: dict, host_bytes: int | None) -> tuple[dict, dict]:
-    """Open each HF checkpoint (a missing or corrupt shard fails here), choose each model's export path and
-    check the host has the memory both need, all before any long work. Returns (checkpoints of the streamed
-    models, the memory record for the manifest)."""
-    from ssd_trt.export import host_memory
-    from ssd_trt.models.checkpoint import Checkpoint, count_params
-
-    checkpoints, plans = {}, []
-    for role in ROLES:
-        spec, source = getattr(recipe, role), sources[role]
-        feature_pair = recipe.draft.kind == "eagle3"
-        if source.kind != "hf" or feature_pair:
-            if spec.export == "streamed":
-                why = ("it is a .gguf file" if source.kind != "hf" else
-                       "the pair has an EAGLE-3 draft (its target's graph also returns features)")
-                raise RecipeError(f"{role}.export: streamed reads an HF safetensors checkpoint layer by layer, but "
-                                  f"{source.path}: {why}; use export: in_memory (or auto)")
-            params = count_params(source)
-            plans.append(host_memory.MemoryPlan(role, "in_memory", params, host_memory.in_memory_peak(params)))
-            continue
-        checkpoint = Checkpoint.open(source.path)
-        streamed = spec.export == "streamed" or (spec.export == "auto" and 4 * checkpoint.num_params > STREAM_ABOVE_BYTES)
-        if not streamed:
-            plans.append(host_memory.MemoryPlan(role, "in_memory", checkpoint.num_params,
-                                                host_memory.in_memory_peak(checkpoint.num_params)))
-            continue
-        if spec.weights == "gguf":
-            raise RecipeError(f"{role}: weights: gguf keeps a GGUF file's own blocks, but {source.path} is not a .gguf "
-                              f"file; use weights: float, int8 or int4 for this model")
-        from ssd_trt.export.streamed import first_layers
-        checked = first_layers(checkpoint, spec.check_layers).num_params
-        plans.append(host_memory.MemoryPlan(role, "streamed", checkpoint.num_params,
-                                            host_memory.streamed_peak(checkpoint.largest_tensor_numel, checked)))
-        checkpoints[role] = checkpoint
-    # in-memory models stay loaded for the whole build; a streamed one holds its peak only while it is exported
-    needed = sum(p.peak_bytes for p in plans if p.path == "in_memory") + \
-        max((p.peak_bytes for p in plans if p.path == "streamed"), default=0)
-    available = host_bytes if host_bytes is not None else host_memory.available_bytes()
-    if needed > available:
-        gib = host_memory.GIB
-        advice = ("export: streamed (HF safetensors checkpoints) keeps host memory near one tensor"
-                  if any(p.path == "in_memory" for p in plans) else
-                  "lower check_layers, or build on a host with more memory")
-        raise RecipeError(f"recipe {recipe.name!r} needs an estimated {needed / gib:.1f} GiB of host memory to build "
-                          f"({'; '.join(p.describe() for p in plans)}) but {available / gib:.1f} GiB is available; "
-                          f"{advice} (estimates: ssd_trt/export/host_memory.py)")
-    return checkpoints, {"estimate_bytes": needed, "available_bytes": available,
-                         "exports": {p.role: {"path": p.path, "params": p.params, "peak_estimate_bytes": p.peak_bytes}
-                                     for p in plans}}
-
-
-TRT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
-def export_streamed_role(recipe: Recipe, role: str, checkpoint, out: Path, step) -> dict[str, Any]:
-    """A streamed model's build: bounded parity, the graphs of every flavour written tensor by tensor, the
-    bounded validation. Returns what the manifest and the artifacts list need."""
-    import torch
-
-    from ssd_trt.engines.editions import DATACENTER, RTX, editions_for
-    from ssd_trt.export.block_weights import built_bits
-    from ssd_trt.export.bounded_checks import bounded_parity, bounded_validation
-    from ssd_trt.export.native_graph import native_flavour
-    from ssd_trt.export.onnx_export import save_flavours
-    from ssd_trt.export.streamed import export_streamed
-
-    spec, editions = getattr(recipe, role), editions_for(recipe.engine.tensorrt)
-    bits = built_bits(spec.weights, keep_8bit=spec.activations == "int8")
-    step(f"parity {role} (first {spec.check_layers} layers)")
-    parity = bounded_parity(checkpoint, spec.check_layers)
-    step(f"export {role} (streamed)")
-    ort_graph, binding = export_streamed(checkpoint, out / role, "weights.bin", torch.float32, bits)
-    engine_graph, native = None, None
-    if editions:   # the TensorRT flavours: plain weights in the engine precision, in their own file
-        dtype = getattr(torch, TRT_DTYPES[recipe.engine.trt_precision])
-        engine_graph, _ = export_streamed(checkpoint, out / role, "weights.trt.bin", dtype)
-        if RTX in editions:
-            native = native_flavour(engine_graph, recipe.engine.max_context, checkpoint.config.vocab_size)
-    paths = save_flavours(ort_graph, out / role, engine_graph, datacenter=DATACENTER in editions, native=native)
-    step(f"validate {role} (first {spec.check_layers} layers)")
-    checks = bounded_validation(checkpoint, spec.check_layers, bits, [tuple(s) for s in recipe.validate_shapes],
-                                min(recipe.engine.max_context, TWIN_CAPACITY) if RTX in editions else None)
-    for name, result in checks.items():
-        if not result["passed"]:
-            raise SsdTrtError(f"{role}'s streamed {name} graph disagrees with the torch model on its first "
-                              f"{spec.check_layers} layers (max abs error {result['max_abs_error']:.3g}); see {out}")
-    return {"paths": paths, "parity": parity, "quantization": binding.quantization,
-            "validation": {role: checks["ort"], **({f"{role}_rtx": checks["rtx"]} if "rtx" in checks else {})}}
 
 
 def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: int | None = None) -> Path:
 
     from ssd_trt.export.block_weights import apply_block_weights, model_block_weights
-    from ssd_trt.export.host_memory import peak_rss_bytes
+    from ssd_trt.export.host_memory import peak_rss_bytes, release_freed_memory
     from ssd_trt.export.native_graph import native_flavour
     from ssd_trt.export.onnx_export import save_flavours, trace_eagle3_step_graph, trace_step_graph
     from ssd_trt.export.parity import transformers_parity
@@ -245,6 +155,9 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
     out = recipe.resolved_output_dir(root)
     bases = (recipe_path.parent.resolve(), root)
     sources = {role: resolve_source(getattr(recipe, role).source, bases) for role in ROLES}
+    if recipe.engine.backend == "torch":
+        return build_for_torch(recipe, recipe_path, sources, out, force, bases, bar)
+    from ssd_trt.export.streamed_build import export_streamed_role, plan_exports
     streamed, host_memory = plan_exports(recipe, sources, host_bytes)
     prepare_output_dir(out, recipe, force)
     started = time.time()
@@ -284,7 +197,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
     artifacts += [{"role": "tokenizer", **artifact_entry(out, p)} for p in sorted(tokenizer_dir.iterdir())]
     bar.update()
     for role in streamed:   # parity, export and validation, bounded, in one pass per model
-        done = export_streamed_role(recipe, role, streamed[role], out, step)
+        done = export_streamed_role(recipe, role, streamed[role], out, step, TWIN_CAPACITY)
         parity[role], quantization[role] = done["parity"], done["quantization"]
         validation.update(done["validation"])
         artifacts += [{"role": role, "flavour": flavour, **artifact_entry(out, path)}
@@ -330,6 +243,9 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
                                                         out / role / "model.rtx.onnx", recipe, validate)
         bar.update()
     step("tensorrt")
+    reduced_heads = {role: _reduced_head(models[role], configs[role]) for role in ROLES}
+    del models, native_twins
+    release_freed_memory()      # TensorRT's builder holds the weights twice: start it from a trimmed heap
     tensorrt = maybe_build_engines(recipe, out)
     artifacts += tensorrt.pop("artifacts", [])
     bar.update()
@@ -338,7 +254,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
         models={role: {"config": configs[role], "hf_config": _jsonable(hf_configs[role]),
                        "source": str(sources[role].path), "source_sha256": source_fingerprint(sources[role]),
                        "parity_vs_transformers": parity[role], "quantization": quantization.get(role),
-                       "head_token_ids": "embedded in weights" if _reduced_head(models[role], configs[role]) else None}
+                       "head_token_ids": "embedded in weights" if reduced_heads[role] else None}
                 for role in ROLES},
         tokenizer={"dir": "tokenizer", "vocab_size": configs["target"].vocab_size,
                    "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
@@ -346,6 +262,62 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
         build_seconds=round(time.time() - started, 1),
         host_memory={**host_memory, "peak_rss_bytes": peak_rss_bytes()})
     write_manifest(out, manifest)
+    (out / BUILDING_MARKER).unlink(missing_ok=True)
+    return out
+
+
+def build_for_torch(recipe: Recipe, recipe_path: Path, sources: dict, out: Path, force: bool, bases: tuple,
+                    bar) -> Path:
+    """A build for the torch GPU runtime, which runs the checkpoints themselves: no ONNX, no plans. Each HF
+    checkpoint is opened and checked (shards, dtypes, names and shapes against its config), its first layers
+    compared with transformers (``bounded_checks``), the tokenizers checked as for any build, and every model
+    file recorded with its sha256 (the runtime refuses a file that changed)."""
+    from ssd_trt.export.bounded_checks import bounded_parity
+    from ssd_trt.export.host_memory import peak_rss_bytes
+    from ssd_trt.models.checkpoint import Checkpoint
+    from ssd_trt.models.loading import load_tokenizer
+    from ssd_trt.models.sources import resolve_source, source_file_hashes, source_fingerprint
+
+    bad = [f"{role} ({sources[role].path.name}: a .gguf file)" for role in ROLES if sources[role].kind != "hf"]
+    if recipe.draft.kind == "eagle3":
+        bad.append("draft (an EAGLE-3 head)")
+    if bad:
+        raise RecipeError(f"engine.backend: torch builds from HF safetensors checkpoints of independent models, but "
+                          f"{', '.join(bad)}; use engine.backend: auto for this pair")
+    checkpoints = {role: Checkpoint.open(sources[role].path) for role in ROLES}
+    prepare_output_dir(out, recipe, force)
+    started = time.time()
+    tokenizers, models = {}, {}
+    for role in ROLES:
+        bar.set_postfix_str(f"check {role}")
+        named = getattr(recipe, role).tokenizer
+        tokenizers[role] = tokenizers["target"] if role == "draft" and named == "target" else \
+            load_tokenizer(resolve_source(named, bases) if named else sources[role])
+        hashes = source_file_hashes(sources[role])
+        models[role] = {"config": checkpoints[role].config, "hf_config": _jsonable(checkpoints[role].hf_config),
+                        "source": str(sources[role].path), "source_sha256": source_fingerprint(sources[role], hashes),
+                        "source_files": hashes,
+                        "parity_vs_transformers": bounded_parity(checkpoints[role], getattr(recipe, role).check_layers),
+                        "head_token_ids": "embedded in weights" if checkpoints[role].config.head_vocab_size else None}
+        bar.update(4)
+    check_same_tokenizer(tokenizers["target"], tokenizers["draft"], checkpoints["target"].config.vocab_size,
+                         checkpoints["draft"].config.vocab_size)
+    from ssd_trt.engines.copy_mixture import CopyMixture   # a malformed copy component fails here, not at a request
+    CopyMixture.from_config(checkpoints["draft"].hf_config, where=f"{sources['draft'].path}/config.json")
+    tokenizer_dir = out / "tokenizer"
+    tokenizers["target"].save_pretrained(tokenizer_dir)
+    artifacts = [{"role": "tokenizer", **artifact_entry(out, p)} for p in sorted(tokenizer_dir.iterdir())]
+    bar.update(bar.total - bar.n)
+    write_manifest(out, Manifest(
+        schema_version=SCHEMA_VERSION, recipe=recipe, recipe_path=str(recipe_path), models=models,
+        tokenizer={"dir": "tokenizer", "vocab_size": checkpoints["target"].config.vocab_size,
+                   "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
+        artifacts=artifacts, validation={},
+        tensorrt={"status": "skipped", "reason": "engine.backend: torch (the checkpoints run as they are)",
+                  "plans": []},
+        tools=tool_versions(), build_seconds=round(time.time() - started, 1),
+        host_memory={"exports": {role: {"path": "none (torch backend)"} for role in ROLES},
+                     "peak_rss_bytes": peak_rss_bytes()}))
     (out / BUILDING_MARKER).unlink(missing_ok=True)
     return out
 
@@ -449,15 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     manifest = read_manifest(out)
     print(f"built {out}")
     for role in ROLES:
-        p, v = manifest.model(role).parity_vs_transformers, manifest.validation[role]
+        p, v = manifest.model(role).parity_vs_transformers, manifest.validation.get(role)
         parity = (f"logits vs {p['reference']}: max |diff| {p['max_abs_diff']:.2e}" if p.get("max_abs_diff") is not None
                   else f"no transformers reference ({p.get('reason', 'not measured')})")
         q = manifest.model(role).quantization
         built = q and any(kind.endswith("(built)") for kind in q["kinds"])
         weights = (f"; {q['layers']} layers as {', '.join(q['kinds'])} blocks"
                    + (" (the parity above is of the float weights, before quantization)" if built else "")) if q else ""
-        print(f"  {role}: {parity}{weights}; ONNX vs torch ({len(v['shapes'])} step shapes): "
-              f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}")
+        graph = ("no ONNX graph (torch backend)" if v is None else f"ONNX vs torch ({len(v['shapes'])} step shapes): "
+                 f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}")
+        print(f"  {role}: {parity}{weights}; {graph}")
     print(f"  tensorrt: {manifest.tensorrt.status}: {manifest.tensorrt.reason}")
     for plan in manifest.tensorrt.plans:
         print(f"    {plan.role}: {plan.path} ({plan.bytes / 2**20:.0f} MiB, {plan.edition} {plan.tensorrt_version}, "

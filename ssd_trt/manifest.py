@@ -98,6 +98,7 @@ class BuiltModel(_Strict):
     parity_vs_transformers: dict[str, Any]
     quantization: dict[str, Any] | None = None      # block weights in the graph (layers, kinds, bytes)
     head_token_ids: str | None = None
+    source_files: dict[str, str] | None = None      # file name -> sha256 (a torch-backend build: what it runs)
 
 
 class TokenizerEntry(_Strict):
@@ -203,7 +204,7 @@ def verify_artifacts(root: Path, manifest: Manifest, roles: tuple[str, ...]) -> 
     if tokenizer_dir.is_dir():
         loaded += [p.relative_to(root).as_posix() for p in sorted(tokenizer_dir.iterdir())]
     for relative in loaded:
-        required = Path(relative).name in REQUIRED_FILES
+        required = Path(relative).name in REQUIRED_FILES and manifest.recipe.engine.backend != "torch"
         if relative not in listed and (required or (Path(root) / relative).exists()):
             raise ArtifactError(f"{Path(root) / relative} is not among the manifest's artifacts (missing, left "
                                 f"over from another build, or added by hand); {fix}")

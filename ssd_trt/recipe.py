@@ -72,7 +72,10 @@ class DraftSpec(ModelSpec):
 class EngineRecipe(EngineLimits):
     """The engine limits (``engines/limits.py``: validated there, once) and how to build the engines."""
     model_config = ConfigDict(extra="forbid", frozen=True)
-    backend: Literal["auto", "ort", "trt"] = "auto"
+    backend: Literal["auto", "ort", "trt", "torch"] = Field(
+        "auto", description="auto: TensorRT plans where they can run, else ONNX Runtime; ort / trt: that one; torch: "
+                            "the torch GPU runtime on the checkpoints themselves (the build exports no ONNX and builds "
+                            "no plans: it checks the checkpoints and records their files with sha256)")
     tensorrt: Literal["auto", "datacenter", "rtx", "none"] = Field(
         "auto", description="which TensorRT builds the plans (ssd_trt/trt/editions.py): datacenter (tensorrt, on "
                             "the GPU it runs on, tree attention as a plugin), rtx (TensorRT for RTX, ahead of time "

@@ -134,3 +134,28 @@ def load_script(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# hidden 2048, 16 layers, 32 query / 8 key-value heads, MLP 8192, tied head, Llama-3 rotary scaling: the body
+# of Llama-3.2-1B, with SmolLM2's vocabulary size (49152) instead of 128256
+LLAMA_1B_BODY = DecoderConfig(
+    model_type="llama", vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+    num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+    tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+def cut_copy(source: Path, destination: Path, layers: int) -> Path:
+    """The first ``layers`` layers of a checkpoint as a checkpoint of its own (a draft sharing the target's
+    embedding and head)."""
+    from safetensors.torch import save_file
+
+    from ssd_trt.export.streamed import first_layers
+    from ssd_trt.models.checkpoint import Checkpoint
+    cut = first_layers(Checkpoint.open(source), layers)
+    destination.mkdir(parents=True)
+    save_file({name: cut.tensor(name) for name in cut.tensors}, str(destination / "model.safetensors"))
+    (destination / "config.json").write_text(json.dumps(cut.hf_config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (destination / name).write_bytes((source / name).read_bytes())
+    return destination

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,35 +16,10 @@ import torch
 import yaml
 
 from ssd_trt.errors import RecipeError
-from ssd_trt.models.config import DecoderConfig
-from tests.helpers import random_decoder, save_hf_checkpoint, tiny_config, write_random_checkpoint, write_recipe
+from tests.helpers import LLAMA_1B_BODY, random_decoder, save_hf_checkpoint, tiny_config, write_random_checkpoint, \
+    write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# hidden 2048, 16 layers, 32 query / 8 key-value heads, MLP 8192, tied head, Llama-3 rotary scaling: the body
-# of Llama-3.2-1B, with SmolLM2's vocabulary size (49152) instead of 128256
-LLAMA_1B_BODY = DecoderConfig(
-    model_type="llama", vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-    num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
-    tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-
-
-def _cut_copy(source: Path, destination: Path, layers: int) -> Path:
-    """The first ``layers`` layers of a checkpoint as a checkpoint of its own (a draft sharing the target's
-    embedding and head)."""
-    from safetensors.torch import save_file
-
-    from ssd_trt.export.streamed import first_layers
-    from ssd_trt.models.checkpoint import Checkpoint
-    cut = first_layers(Checkpoint.open(source), layers)
-    destination.mkdir(parents=True)
-    save_file({name: cut.tensor(name) for name in cut.tensors}, str(destination / "model.safetensors"))
-    (destination / "config.json").write_text(json.dumps(cut.hf_config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (destination / name).write_bytes((source / name).read_bytes())
-    return destination
-
 
 def _build_cli(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ssd_trt.build", str(recipe), *extra], capture_output=True,
@@ -52,11 +28,12 @@ def _build_cli(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def llama_1b(tmp_path_factory) -> dict:
-    """A 1.07B target in 3 shards (bf16, 2.1 GB) with a draft cut from its first 2 layers, built in its own
+    """A 1.07B target in 3 shards (bf16, 2.1 GB) with a small random draft of its vocabulary, built in its own
     process (so the manifest's peak resident set is the build's alone): int4 target, int8 draft."""
     root = tmp_path_factory.mktemp("llama1b")
     target = write_random_checkpoint(LLAMA_1B_BODY, root / "target", shards=3, seed=0)
-    draft = _cut_copy(target, root / "draft", layers=2)
+    draft = write_random_checkpoint(replace(LLAMA_1B_BODY, hidden_size=256, intermediate_size=512, num_layers=2,
+                                            num_heads=4, num_kv_heads=2), root / "draft", seed=1)
     recipe = root / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "name": "llama-1b-random", "output_dir": str(root / "build"),
@@ -224,3 +201,32 @@ def test_the_real_size_gpu_bench_runs_its_code_path_on_cpu_with_tiny_shapes(tmp_
     low, high = results["points"]
     assert low["sd"]["mean_accepted"] < 1.0 < 2.0 < high["sd"]["mean_accepted"]
     assert high["ssd"]["cache_hit_rate"] > 0.5 and high["ssd"]["mean_accepted"] > 2.0
+
+
+def test_a_torch_backend_build_exports_nothing_records_its_files_and_runs_exactly(tiny_pairs, tmp_path):
+    """engine.backend: torch: the build checks the checkpoints and records each file's sha256, writes no ONNX and
+    no plan; the runtime runs the checkpoints on the torch backend (here on CPU, eagerly), token-identical to the
+    ONNX Runtime build of the same pair, and refuses to run it on another backend."""
+    import ssd_trt
+    from ssd_trt.build import build
+    from ssd_trt.errors import ArtifactError
+    from ssd_trt.manifest import read_manifest, sha256_file
+    from ssd_trt.runtime import RuntimeOptions
+    reference_build = tiny_pairs["perturbed"]
+    reference = read_manifest(reference_build)
+    target, draft = (Path(reference.model(role).source) for role in ("target", "draft"))
+    recipe = write_recipe(tmp_path / "torch.yaml", target, draft, name="tiny-torch", backend="torch")
+    out = build(recipe, root=tmp_path)
+    manifest = read_manifest(out)
+    assert not list(out.glob("*/*.onnx")) and not manifest.tensorrt.plans
+    assert manifest.model("target").source_files["model.safetensors"] == sha256_file(target / "model.safetensors")
+    assert "first 2 of 2" in manifest.model("target").parity_vs_transformers["scope"]
+    params = ssd_trt.SamplingParams(max_new_tokens=10, stop_on_eos=False)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    expected = [r.token_ids for r in ssd_trt.load(reference_build).generate_ids(prompts, params, mode="ar")]
+    generator = ssd_trt.load(out)
+    assert generator.engines.backend("target") == "torch"
+    for mode in ("ar", "sd", "ssd"):
+        assert [r.token_ids for r in generator.generate_ids(prompts, params, mode=mode)] == expected, mode
+    with pytest.raises(ArtifactError, match="built for the torch backend .* no ONNX graphs"):
+        ssd_trt.load(out, RuntimeOptions(backend="ort")).engine("target")

@@ -59,6 +59,10 @@ class EngineSet:
         """``torch`` or ``ort`` when asked; else ``trt`` when the recipe allows it and one of the role's plans can
         run here (its edition's TensorRT and a GPU it has kernels for, probed once in a subprocess, and the
         plan passes ``plans.check_plan``); else ``ort``."""
+        if self.manifest.recipe.engine.backend == "torch" and self.wanted != "torch":
+            raise ArtifactError(f"{self.root} was built for the torch backend (engine.backend: torch): it has no ONNX "
+                                f"graphs or TensorRT plans for the {self.wanted} backend; run it with "
+                                "RuntimeOptions(backend='torch') (the default), or rebuild with engine.backend: auto")
         if self.wanted in ("torch", "ort"):
             return self.wanted
         if role not in self.editions:
@@ -175,19 +179,20 @@ def _torch_engine(manifest: Manifest, role: str) -> Engine:
     if source_fingerprint(source) != entry.source_sha256:
         raise ArtifactError(f"the {role} source {source.path} changed since this build was made (sha256 "
                             "differs from the manifest); rebuild, or use the ort backend")
-    model = _reload(manifest, role, source)
-    on_gpu = torch.cuda.is_available()
     dtype = getattr(torch, getattr(manifest.recipe, role).dtype)
+    model = _reload(manifest, role, source, dtype)
+    on_gpu = torch.cuda.is_available()
     return TorchDeviceEngine(model, manifest.recipe.engine.limits, name=role, device="cuda" if on_gpu else "cpu",
                              dtype=dtype, placement=_gpu_placement(role) if on_gpu else Placement())
 
 
-def _reload(manifest: Manifest, role: str, source):
-    """The role's torch model as the build made it: with a feature (EAGLE-3) draft, the target returns the
-    features the draft reads and the draft is the head on the target's embedding."""
+def _reload(manifest: Manifest, role: str, source, dtype):
+    """The role's torch model as the build made it, its weights read straight into ``dtype`` (no fp32 copy of a
+    bf16 checkpoint): with a feature (EAGLE-3) draft, the target returns the features the draft reads and the
+    draft is the head on the target's embedding."""
     from ssd_trt.models.loading import load_decoder
     if manifest.recipe.draft.kind != "eagle3":
-        return load_decoder(source)[0]
+        return load_decoder(source, dtype)[0]
     from ssd_trt.models.decoder import with_target_features
     from ssd_trt.models.eagle3 import Eagle3Config, load_eagle3_checkpoint
     from ssd_trt.models.sources import resolve_source

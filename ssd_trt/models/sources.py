@@ -64,16 +64,22 @@ def resolve_source(source: str, base_dirs: tuple[Path, ...] = ()) -> ResolvedSou
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".tiktoken")
 
 
-def source_fingerprint(source: ResolvedSource) -> str:
-    """sha256 over the files a build reads from ``source`` (the GGUF file, or the config, weight
-    and tokenizer files of an HF dir), so a changed checkpoint makes a build stale."""
-    import hashlib
-
+def source_file_hashes(source: ResolvedSource) -> dict[str, str]:
+    """sha256 of each file a build reads from ``source`` (the GGUF file, or the config, weight and tokenizer
+    files of an HF dir), by file name."""
     from ssd_trt.manifest import sha256_file
 
     files = [source.path] if source.kind == "gguf" else sorted(
         p for p in source.path.iterdir() if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES)
+    return {path.name: sha256_file(path) for path in files}
+
+
+def source_fingerprint(source: ResolvedSource, hashes: dict[str, str] | None = None) -> str:
+    """One sha256 over :func:`source_file_hashes` (given, or computed here), so a changed checkpoint makes a
+    build stale."""
+    import hashlib
+
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(f"{path.name}\0{sha256_file(path)}\n".encode())
+    for name, sha in (hashes if hashes is not None else source_file_hashes(source)).items():
+        digest.update(f"{name}\0{sha}\n".encode())
     return digest.hexdigest()

@@ -203,7 +203,10 @@ def _build_with_tensorrt(edition: Edition, role: str, root: Path, onnx_path: Pat
         seconds = time.perf_counter() - start
         if serialized is None:
             raise RuntimeError(f"{edition.module} failed to build {out_path}; see {log_path}")
-        out_path.write_bytes(bytes(serialized))
+        del parser, network         # the parsed weights: not needed to write the plan
+        with open(out_path, "wb") as plan_file:
+            plan_file.write(memoryview(serialized))     # no bytes() copy of a plan as large as the weights
+        del serialized
         if edition is DATACENTER:
             timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
         log_file.write(f"[ssd-trt] built in {seconds:.1f} s\n")

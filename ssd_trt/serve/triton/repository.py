@@ -109,7 +109,8 @@ def export_repository(artifact_dir: str | Path, out: str | Path, options: Export
         RuntimeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.runtime_options.items()})
     except TypeError as exc:
         raise SsdTrtError(f"--runtime-options: {exc}; fields are those of ssd_trt.RuntimeOptions") from None
-    kind = instance_kind_for(options.instance_kind, options.runtime_options.get("backend"),
+    kind = instance_kind_for(options.instance_kind,
+                             options.runtime_options.get("backend") or manifest.recipe.engine.backend,
                              bool(manifest.tensorrt.plans))
     for role in ("target", "draft"):
         if not (artifact_dir / role).is_dir():

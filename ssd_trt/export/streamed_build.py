@@ -1,0 +1,123 @@
+"""The build's steps for a model exported by streaming (``export/streamed.py``), and the choice of which are.
+
+:func:`plan_exports` runs before any long work: it opens every HF checkpoint (a missing or corrupt shard fails
+there), picks each model's export path and checks the host has the memory for both
+(``export/host_memory.py``). :func:`export_streamed_role` is one streamed model's parity, export and
+validation, all bounded (``export/bounded_checks.py``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ssd_trt.errors import RecipeError, SsdTrtError
+from ssd_trt.manifest import ROLES
+from ssd_trt.recipe import Recipe
+
+STREAM_ABOVE_BYTES = 256 << 20   # export: auto streams an HF checkpoint larger than this in fp32 (64M parameters)
+
+
+def plan_exports(recipe: Recipe, sources: dict, host_bytes: int | None) -> tuple[dict, dict]:
+    """Open each HF checkpoint (a missing or corrupt shard fails here), choose each model's export path and
+    check the host has the memory both need, all before any long work. Returns (checkpoints of the streamed
+    models, the memory record for the manifest)."""
+    from ssd_trt.export import host_memory
+    from ssd_trt.models.checkpoint import Checkpoint, count_params
+
+    checkpoints, plans = {}, []
+    for role in ROLES:
+        spec, source = getattr(recipe, role), sources[role]
+        feature_pair = recipe.draft.kind == "eagle3"
+        if source.kind != "hf" or feature_pair:
+            if spec.export == "streamed":
+                why = ("it is a .gguf file" if source.kind != "hf" else
+                       "the pair has an EAGLE-3 draft (its target's graph also returns features)")
+                raise RecipeError(f"{role}.export: streamed reads an HF safetensors checkpoint layer by layer, but "
+                                  f"{source.path}: {why}; use export: in_memory (or auto)")
+            params = count_params(source)
+            plans.append(host_memory.MemoryPlan(role, "in_memory", params, host_memory.in_memory_peak(params)))
+            continue
+        checkpoint = Checkpoint.open(source.path)
+        streamed = spec.export == "streamed" or (spec.export == "auto" and 4 * checkpoint.num_params > STREAM_ABOVE_BYTES)
+        if not streamed:
+            plans.append(host_memory.MemoryPlan(role, "in_memory", checkpoint.num_params,
+                                                host_memory.in_memory_peak(checkpoint.num_params)))
+            continue
+        if spec.weights == "gguf":
+            raise RecipeError(f"{role}: weights: gguf keeps a GGUF file's own blocks, but {source.path} is not a .gguf "
+                              f"file; use weights: float, int8 or int4 for this model")
+        from ssd_trt.export.streamed import first_layers
+        checked = first_layers(checkpoint, spec.check_layers).num_params
+        plans.append(host_memory.MemoryPlan(role, "streamed", checkpoint.num_params,
+                                            host_memory.streamed_peak(checkpoint.largest_tensor_numel, checked)))
+        checkpoints[role] = checkpoint
+    # in-memory models stay loaded for the whole build; a streamed one holds its peak only while it is exported;
+    # a TensorRT builder, when one builds plans here, comes after all of it (the heap trimmed in between)
+    exports = sum(p.peak_bytes for p in plans if p.path == "in_memory") + \
+        max((p.peak_bytes for p in plans if p.path == "streamed"), default=0)
+    plans_here = _builds_plans_here(recipe)
+    tensorrt = host_memory.tensorrt_peak(max(p.params for p in plans), recipe.engine.trt_precision) if plans_here else 0
+    needed = max(exports, tensorrt)
+    available = host_bytes if host_bytes is not None else host_memory.available_bytes()
+    if needed > available:
+        gib = host_memory.GIB
+        advice = ("export: streamed (HF safetensors checkpoints) keeps host memory near one tensor"
+                  if any(p.path == "in_memory" for p in plans) else
+                  "lower check_layers, or build on a host with more memory")
+        if tensorrt > exports:
+            advice = (f"the TensorRT builder alone needs ~{tensorrt / gib:.1f} GiB for the largest model: build its "
+                      "plans on a bigger host, or set engine.tensorrt: none here")
+        raise RecipeError(f"recipe {recipe.name!r} needs an estimated {needed / gib:.1f} GiB of host memory to build "
+                          f"({'; '.join(p.describe() for p in plans)}) but {available / gib:.1f} GiB is available; "
+                          f"{advice} (estimates: ssd_trt/export/host_memory.py)")
+    return checkpoints, {"estimate_bytes": needed, "available_bytes": available, "tensorrt_estimate_bytes": tensorrt,
+                         "exports": {p.role: {"path": p.path, "params": p.params, "peak_estimate_bytes": p.peak_bytes}
+                                     for p in plans}}
+
+
+def _builds_plans_here(recipe: Recipe) -> bool:
+    """Whether the build's TensorRT step will run a TensorRT builder in this process (an edition is installed)."""
+    from ssd_trt.engines.editions import editions_for
+    return recipe.engine.backend != "ort" and any(edition.installed() for edition in editions_for(recipe.engine.tensorrt))
+
+
+def export_streamed_role(recipe: Recipe, role: str, checkpoint, out: Path, step, twin_capacity: int) -> dict[str, Any]:
+    """A streamed model's build: bounded parity, the graphs of every flavour written tensor by tensor, the
+    bounded validation (the rtx rewrite's at ``twin_capacity`` cache slots). Returns what the manifest and the
+    artifacts list need."""
+    import torch
+
+    from ssd_trt.engines.editions import DATACENTER, RTX, editions_for
+    from ssd_trt.export.block_weights import built_bits
+    from ssd_trt.export.bounded_checks import bounded_parity, bounded_validation
+    from ssd_trt.export.host_memory import release_freed_memory
+    from ssd_trt.export.native_graph import native_flavour
+    from ssd_trt.export.onnx_export import save_flavours
+    from ssd_trt.export.streamed import export_streamed
+    from ssd_trt.trt.engine_build import PRECISION_DTYPES
+
+    spec, editions = getattr(recipe, role), editions_for(recipe.engine.tensorrt)
+    bits = built_bits(spec.weights, keep_8bit=spec.activations == "int8")
+    step(f"parity {role} (first {spec.check_layers} layers)")
+    parity = bounded_parity(checkpoint, spec.check_layers)
+    step(f"export {role} (streamed)")
+    ort_graph, binding = export_streamed(checkpoint, out / role, "weights.bin", torch.float32, bits)
+    engine_graph, native = None, None
+    if editions:   # the TensorRT flavours: plain weights in the engine precision, in their own file
+        dtype = getattr(torch, PRECISION_DTYPES[recipe.engine.trt_precision])
+        engine_graph, _ = export_streamed(checkpoint, out / role, "weights.trt.bin", dtype)
+        if RTX in editions:
+            native = native_flavour(engine_graph, recipe.engine.max_context, checkpoint.config.vocab_size)
+    paths = save_flavours(ort_graph, out / role, engine_graph, datacenter=DATACENTER in editions, native=native)
+    del ort_graph, engine_graph, native
+    release_freed_memory()
+    step(f"validate {role} (first {spec.check_layers} layers)")
+    checks = bounded_validation(checkpoint, spec.check_layers, bits, [tuple(s) for s in recipe.validate_shapes],
+                                min(recipe.engine.max_context, twin_capacity) if RTX in editions else None)
+    release_freed_memory()
+    for name, result in checks.items():
+        if not result["passed"]:
+            raise SsdTrtError(f"{role}'s streamed {name} graph disagrees with the torch model on its first "
+                              f"{spec.check_layers} layers (max abs error {result['max_abs_error']:.3g}); see {out}")
+    return {"paths": paths, "parity": parity, "quantization": binding.quantization,
+            "validation": {role: checks["ort"], **({f"{role}_rtx": checks["rtx"]} if "rtx" in checks else {})}}
