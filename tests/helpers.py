@@ -45,14 +45,16 @@ def perturbed(model: Decoder, seed: int, amount: float) -> Decoder:
 
 
 def hf_llama_config(c: DecoderConfig, dtype: str = "float32") -> dict:
-    """The HF config.json of a Llama decoder of config ``c``."""
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+    """The HF config.json of a Llama-family decoder (llama, qwen2, qwen3, mistral) of config ``c``."""
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "mistral": "MistralForCausalLM"}[c.model_type]
+    hf = {"architectures": [architecture], "model_type": c.model_type, "vocab_size": c.vocab_size,
           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
           "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
           "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2,
-          "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype}
+          "hidden_act": "silu", "attention_bias": c.attention_bias, "mlp_bias": False, "torch_dtype": dtype}
     if c.rope_scaling:
         hf["rope_scaling"] = dict(c.rope_scaling)
     return hf

@@ -83,12 +83,14 @@ def test_greedy_sd_and_ssd_equal_ar_on_the_1b_model(llama_1b):
             assert out.token_ids == ar.token_ids, (mode, prompt)
 
 
-def _tiny_checkpoint(directory: Path, shards: int = 1) -> Path:
-    return write_random_checkpoint(tiny_config(layers=3), directory, shards=shards, seed=3, dtype=torch.float32,
-                                   std=0.15)
+def _tiny_checkpoint(directory: Path, shards: int = 1, model_type: str = "llama") -> Path:
+    config = replace(tiny_config(layers=3), model_type=model_type, qk_norm=model_type == "qwen3",
+                     attention_bias=model_type == "qwen2")
+    return write_random_checkpoint(config, directory, shards=shards, seed=3, dtype=torch.float32, std=0.15)
 
 
-def test_the_streamed_graph_computes_what_the_in_memory_graph_computes(tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_the_streamed_graph_computes_what_the_in_memory_graph_computes(tmp_path, model_type):
     """Same nodes in the same order, same logits and caches in ONNX Runtime: the skeleton trace with weights
     bound from the checkpoint is the graph the whole-model trace makes (which also merges equal initializers,
     here the all-ones norms, behind Identity nodes: the only difference)."""
@@ -100,7 +102,7 @@ def test_the_streamed_graph_computes_what_the_in_memory_graph_computes(tmp_path)
     from ssd_trt.models.checkpoint import Checkpoint
     from ssd_trt.models.loading import load_decoder
     from ssd_trt.models.sources import resolve_source
-    source = _tiny_checkpoint(tmp_path / "ckpt", shards=2)
+    source = _tiny_checkpoint(tmp_path / "ckpt", shards=2, model_type=model_type)   # q/k/v biases, q/k norms
     model, _ = load_decoder(resolve_source(str(source)))
     in_memory = save_flavours(trace_step_graph(model), tmp_path / "in_memory", datacenter=False)["ort"]
     graph, _ = export_streamed(Checkpoint.open(source), tmp_path / "streamed", "weights.bin", torch.float32)
@@ -124,14 +126,17 @@ def _recipe(tmp_path: Path, target: Path, **target_fields) -> Path:
     return path
 
 
-def test_a_sharded_checkpoint_builds_streamed_and_its_checks_say_what_they_covered(tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_sharded_checkpoint_builds_streamed_and_its_checks_say_what_they_covered(tmp_path, model_type):
     from ssd_trt.build import build
     from ssd_trt.manifest import read_manifest
-    target = _tiny_checkpoint(tmp_path / "target", shards=3)
+    target = _tiny_checkpoint(tmp_path / "target", shards=3, model_type=model_type)
     out = build(_recipe(tmp_path, target, export="streamed", check_layers=1), root=tmp_path)
     manifest = read_manifest(out)
     assert manifest.host_memory["exports"]["target"]["path"] == "streamed"
     assert "first 1 of 3" in manifest.validation["target"]["scope"] and manifest.validation["target"]["passed"]
+    parity = manifest.model("target").parity_vs_transformers          # transformers' own Llama / Qwen3
+    assert parity["max_abs_diff"] < 1e-4 * parity["logit_scale"], parity
     assert {a.flavour for a in manifest.artifacts if a.role == "target"} >= {"ort", "weights", "trt_weights", "rtx"}
 
 

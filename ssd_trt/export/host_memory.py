@@ -4,15 +4,16 @@ The estimates are the measured behaviour of each export path, not a bound proved
 
 * in memory (``build._build``'s own path): the model in fp32, a traced copy with named weights, the ONNX proto
   and its serialised copies, the transformers parity copy and the validation sessions. A 0.22B-parameter
-  Llama (2 layers of the 1B body) added 6.2 GB to the build's resident set while it was exported in memory:
-  28 bytes per parameter, plus the libraries' 1 GiB (a 1.07B one reached 13.4 GB before it failed, issue 33).
+  Llama (2 layers of the 1B body) added 6.2 GB to the build's resident set while it was exported in memory
+  (sampled from /proc during development): 28 bytes per parameter, plus the libraries' 1 GiB (a 1.07B one reached
+  13.4 GB before it failed, issue 33).
 * streamed (``export/streamed.py``): the libraries and the trace (1.5 GiB measured on a 1B skeleton), then the
   larger of two phases that never overlap: the export, a few fp32 copies of the largest tensor while it is
   converted in ~64 MB blocks (the tracer also materialises each zero-stride weight once in fp32 as it multiplies
   by it), and the bounded checks, the cut model's weights in fp32 (this decoder and transformers share them;
   the validation's torch reference holds the graph's dequantized copy) next to ONNX Runtime's session of the cut
   graph and the transient copies: three times its fp32 bytes. A 1.07B target with a 0.22B draft is estimated at
-  4.0 GiB and peaked at 3.7 GiB (docs/real_size.md).
+  4.0 GiB and peaked at 2.5 GiB (docs/bench/real_size/llama_1b_ort_int4.json).
 """
 from __future__ import annotations
 
@@ -54,8 +55,9 @@ PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 def tensorrt_peak(params: int, precision: str) -> int:
     """A TensorRT plan build of a model of ``params`` in ``precision``: the parsed weights, the builder's copy and
-    the serialised plan. TensorRT for RTX built the 1.07B target's bf16 plan (2.19 GiB of weights) at a peak of
-    7.7 GB in a fresh process: 3.5 times its weights (docs/real_size.md)."""
+    the serialised plan. The 1.07B build peaked at 8.0 GiB while TensorRT for RTX built its target's bf16 plan (2.0
+    GiB of weights), against 2.5 GiB for the same build without plans: the libraries plus 3.5 times the weights
+    (docs/bench/real_size/llama_1b_ort_int4_and_rtx_plans.json, llama_1b_ort_int4.json)."""
     return LIBRARIES_BYTES + int(TENSORRT_WEIGHT_COPIES * PRECISION_BYTES[precision] * params)
 
 
