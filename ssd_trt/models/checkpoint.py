@@ -27,7 +27,6 @@ from ssd_trt.models.config import DecoderConfig
 INDEX_NAME = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 OTHER_DTYPES = {"I64": torch.int64}          # a reduced draft head's lm_head_token_ids
-DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}
 
 
 @dataclass(frozen=True)
@@ -135,10 +134,6 @@ class Checkpoint:
     @property
     def num_params(self) -> int:
         return sum(info.numel for name, info in self.tensors.items() if info.dtype in FLOAT_DTYPES)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(info.numel * DTYPE_BYTES[info.dtype] for info in self.tensors.values())
 
     @property
     def largest_tensor_numel(self) -> int:
