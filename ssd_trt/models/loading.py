@@ -1,4 +1,4 @@
-"""Load a :class:`Decoder` (fp32) and its tokenizer from a resolved source."""
+"""Load a :class:`Decoder` (fp32 unless asked otherwise) and its tokenizer from a resolved source."""
 from __future__ import annotations
 
 from contextlib import contextmanager
