@@ -41,7 +41,7 @@ def good(checkpoints, tmp_path) -> dict:
 CASES = {
     "missing field": (lambda d: d.pop("target"), ["field 'target'", "required"]),
     "wrong type": (lambda d: d["engine"].update(max_batch="four"), ["engine.max_batch", "integer"]),
-    "unknown backend": (lambda d: d["engine"].update(backend="cuda"), ["engine.backend", "'auto', 'ort' or 'trt'"]),
+    "unknown backend": (lambda d: d["engine"].update(backend="cuda"), ["engine.backend", "'auto', 'ort', 'trt' or 'torch'"]),
     "unknown field": (lambda d: d["engine"].update(max_bacth=2), ["engine.max_bacth", "not a known field"]),
     "path does not exist": (lambda d: d["draft"].update(source="/nope/model"), ["/nope/model", "does not exist"]),
     "bad dtype": (lambda d: d["target"].update(dtype="int3"), ["target.dtype"]),
