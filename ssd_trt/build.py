@@ -44,6 +44,29 @@ def check_same_tokenizer(target_tok, draft_tok, target_vocab: int, draft_vocab: 
                           "trained with the target's tokenizer")
 
 
+def role_tokenizer(recipe: Recipe, role: str, sources: dict, bases: tuple, target_tokenizer=None):
+    """The role's tokenizer: the target's when the draft declares it shared (``tokenizer: target``) or is a feature
+    draft (it reads the target's embedding); else loaded from the recipe's tokenizer source or the model's."""
+    from ssd_trt.models.loading import load_tokenizer
+    from ssd_trt.models.sources import resolve_source
+    named = getattr(recipe, role).tokenizer
+    if role == "draft" and (named == "target" or recipe.draft.kind == "eagle3"):
+        return target_tokenizer       # declared shared; vocab sizes are still checked (write_tokenizer)
+    return load_tokenizer(resolve_source(named, bases) if named else sources[role])
+
+
+def write_tokenizer(tokenizers: dict, configs: dict, out: Path) -> tuple[list[dict], dict]:
+    """Check the pair shares one tokenizer and save the target's as ``out/tokenizer``: (its artifacts, the
+    manifest's tokenizer entry)."""
+    check_same_tokenizer(tokenizers["target"], tokenizers["draft"], configs["target"].vocab_size,
+                         configs["draft"].vocab_size)
+    tokenizer_dir = out / "tokenizer"
+    tokenizers["target"].save_pretrained(tokenizer_dir)
+    artifacts = [{"role": "tokenizer", **artifact_entry(out, p)} for p in sorted(tokenizer_dir.iterdir())]
+    return artifacts, {"dir": "tokenizer", "vocab_size": configs["target"].vocab_size,
+                       "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None}
+
+
 BUILDING_MARKER = ".building"   # names the recipe of a build in progress (or interrupted)
 
 
@@ -145,7 +168,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
     from ssd_trt.export.parity import transformers_parity
     from ssd_trt.export.validate import validate_eagle3_graph, validate_with_polygraphy
     from ssd_trt.models.decoder import with_target_features
-    from ssd_trt.models.loading import load_decoder, load_tokenizer
+    from ssd_trt.models.loading import load_decoder
     from ssd_trt.models.sources import resolve_source, source_fingerprint
     from ssd_trt.trt.build_step import maybe_build_engines
     from ssd_trt.engines.editions import DATACENTER, RTX, editions_for
@@ -182,19 +205,12 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
         if role == "draft":   # a malformed copy component fails the build, not the first request
             from ssd_trt.engines.copy_mixture import CopyMixture
             CopyMixture.from_config(hf_configs[role], where=f"{sources[role].path}/config.json")
-        named = getattr(recipe, role).tokenizer
-        if (named == "target" or feature_draft) and role == "draft":
-            tokenizers[role] = tokenizers["target"]      # declared shared; vocab sizes are still checked
-        else:
-            tokenizers[role] = load_tokenizer(resolve_source(named, bases) if named else sources[role])
+        tokenizers[role] = role_tokenizer(recipe, role, sources, bases, tokenizers.get("target"))
         bar.update()
     configs = {role: streamed[role].config if role in streamed else decoder_config(models[role]) for role in ROLES}
     step("tokenizer")
-    check_same_tokenizer(tokenizers["target"], tokenizers["draft"], configs["target"].vocab_size,
-                         configs["draft"].vocab_size)
-    tokenizer_dir = out / "tokenizer"
-    tokenizers["target"].save_pretrained(tokenizer_dir)
-    artifacts += [{"role": "tokenizer", **artifact_entry(out, p)} for p in sorted(tokenizer_dir.iterdir())]
+    tokenizer_artifacts, tokenizer_entry = write_tokenizer(tokenizers, configs, out)
+    artifacts += tokenizer_artifacts
     bar.update()
     for role in streamed:   # parity, export and validation, bounded, in one pass per model
         done = export_streamed_role(recipe, role, streamed[role], out, step, TWIN_CAPACITY)
@@ -256,9 +272,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
                        "parity_vs_transformers": parity[role], "quantization": quantization.get(role),
                        "head_token_ids": "embedded in weights" if reduced_heads[role] else None}
                 for role in ROLES},
-        tokenizer={"dir": "tokenizer", "vocab_size": configs["target"].vocab_size,
-                   "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
-        artifacts=artifacts, validation=validation, tensorrt=tensorrt, tools=tool_versions(),
+        tokenizer=tokenizer_entry, artifacts=artifacts, validation=validation, tensorrt=tensorrt, tools=tool_versions(),
         build_seconds=round(time.time() - started, 1),
         host_memory={**host_memory, "peak_rss_bytes": peak_rss_bytes()})
     write_manifest(out, manifest)
@@ -275,8 +289,7 @@ def build_for_torch(recipe: Recipe, recipe_path: Path, sources: dict, out: Path,
     from ssd_trt.export.bounded_checks import bounded_parity
     from ssd_trt.export.host_memory import peak_rss_bytes
     from ssd_trt.models.checkpoint import Checkpoint
-    from ssd_trt.models.loading import load_tokenizer
-    from ssd_trt.models.sources import resolve_source, source_file_hashes, source_fingerprint
+    from ssd_trt.models.sources import source_file_hashes, source_fingerprint
 
     bad = [f"{role} ({sources[role].path.name}: a .gguf file)" for role in ROLES if sources[role].kind != "hf"]
     if recipe.draft.kind == "eagle3":
@@ -290,9 +303,7 @@ def build_for_torch(recipe: Recipe, recipe_path: Path, sources: dict, out: Path,
     tokenizers, models = {}, {}
     for role in ROLES:
         bar.set_postfix_str(f"check {role}")
-        named = getattr(recipe, role).tokenizer
-        tokenizers[role] = tokenizers["target"] if role == "draft" and named == "target" else \
-            load_tokenizer(resolve_source(named, bases) if named else sources[role])
+        tokenizers[role] = role_tokenizer(recipe, role, sources, bases, tokenizers.get("target"))
         hashes = source_file_hashes(sources[role])
         models[role] = {"config": checkpoints[role].config, "hf_config": _jsonable(checkpoints[role].hf_config),
                         "source": str(sources[role].path), "source_sha256": source_fingerprint(sources[role], hashes),
@@ -300,19 +311,13 @@ def build_for_torch(recipe: Recipe, recipe_path: Path, sources: dict, out: Path,
                         "parity_vs_transformers": bounded_parity(checkpoints[role], getattr(recipe, role).check_layers),
                         "head_token_ids": "embedded in weights" if checkpoints[role].config.head_vocab_size else None}
         bar.update(4)
-    check_same_tokenizer(tokenizers["target"], tokenizers["draft"], checkpoints["target"].config.vocab_size,
-                         checkpoints["draft"].config.vocab_size)
     from ssd_trt.engines.copy_mixture import CopyMixture   # a malformed copy component fails here, not at a request
     CopyMixture.from_config(checkpoints["draft"].hf_config, where=f"{sources['draft'].path}/config.json")
-    tokenizer_dir = out / "tokenizer"
-    tokenizers["target"].save_pretrained(tokenizer_dir)
-    artifacts = [{"role": "tokenizer", **artifact_entry(out, p)} for p in sorted(tokenizer_dir.iterdir())]
+    artifacts, tokenizer_entry = write_tokenizer(tokenizers, {role: checkpoints[role].config for role in ROLES}, out)
     bar.update(bar.total - bar.n)
     write_manifest(out, Manifest(
         schema_version=SCHEMA_VERSION, recipe=recipe, recipe_path=str(recipe_path), models=models,
-        tokenizer={"dir": "tokenizer", "vocab_size": checkpoints["target"].config.vocab_size,
-                   "chat_template": getattr(tokenizers["target"], "chat_template", None) is not None},
-        artifacts=artifacts, validation={},
+        tokenizer=tokenizer_entry, artifacts=artifacts, validation={},
         tensorrt={"status": "skipped", "reason": "engine.backend: torch (the checkpoints run as they are)",
                   "plans": []},
         tools=tool_versions(), build_seconds=round(time.time() - started, 1),
