@@ -163,6 +163,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
 
     from ssd_trt.export.block_weights import apply_block_weights, model_block_weights
     from ssd_trt.export.host_memory import peak_rss_bytes, release_freed_memory
+    from ssd_trt.export.fused_graph import fused_step_graph, unsupported_reason
     from ssd_trt.export.native_graph import native_flavour
     from ssd_trt.export.onnx_export import save_flavours, trace_eagle3_step_graph, trace_step_graph
     from ssd_trt.export.parity import transformers_parity
@@ -187,6 +188,7 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
     models, hf_configs, tokenizers, parity, validation, artifacts = {}, {}, {}, {}, {}, []
     quantization: dict[str, dict] = {}
     native_twins: dict[str, Any] = {}     # the rtx flavour's fp32 twin per role, for validation
+    ort_graph: dict[str, str] = {}        # per role: "fused", or why the ort flavour is the traced graph
 
     def step(name: str) -> None:
         bar.set_postfix_str(name)
@@ -243,14 +245,24 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
             plain = trace(models[role]) if blocks else traced
             native_twins[role] = native_flavour(plain, min(capacity, TWIN_CAPACITY), vocab)
             native = native_flavour(plain if trt_traced is None else trt_traced, capacity, vocab)
-        paths = save_flavours(traced, out / role, trt_traced, datacenter=DATACENTER in editions, native=native)
+        # the ort flavour on fused ops where they cover the model; rotary rows for every position + 1 spare
+        ort_graph[role] = unsupported_reason(models[role]) or "fused"
+        fused = fused_step_graph(models[role], blocks, recipe.engine.max_context + 1) \
+            if ort_graph[role] == "fused" else None
+        paths = save_flavours(traced, out / role, trt_traced, datacenter=DATACENTER in editions, native=native,
+                              fused=fused)
+        del fused
         for flavour, path in paths.items():
             artifacts.append({"role": role, "flavour": flavour, **artifact_entry(out, path)})
         bar.update()
     for role in in_memory:
         step(f"validate {role}")
         validate = validate_eagle3_graph if role == "draft" and feature_draft else validate_with_polygraphy
-        validation[role] = validate(models[role], out / role / "model.ort.onnx", [tuple(s) for s in recipe.validate_shapes])
+        shapes = [tuple(s) for s in recipe.validate_shapes]
+        # the decoder graphs checked as the engine runs them: caches written in place
+        in_place = {} if validate is validate_eagle3_graph else {"in_place": True}
+        validation[role] = {**validate(models[role], out / role / "model.ort.onnx", shapes, **in_place),
+                            "ort_graph": ort_graph[role]}
         if not validation[role]["passed"]:
             raise SsdTrtError(f"{role} ONNX graph disagrees with the torch model "
                               f"(max abs error {validation[role]['max_abs_error']:.3g}); see {out}")
@@ -406,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-memory", type=float, metavar="GIB",
                         help="plan against this much host memory (GiB) instead of what this machine has available "
                              "now: checks before any work whether a recipe fits a build host")
+    parser.add_argument("--tune", action="store_true",
+                        help="then choose the build's decoding defaults by measurement on this machine (python -m "
+                             "ssd_trt.tune --if-missing: a few minutes; recorded in the manifest)")
     args = parser.parse_args(argv)
     host_bytes = None if args.host_memory is None else int(args.host_memory * (1 << 30))
     try:
@@ -415,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"building {target}: first build of this recipe here (takes a few minutes)", file=sys.stderr)
             elif (reason := stale_reason(args.recipe)) is None:
                 print(f"{target} is up to date")
-                return 0
+                return _tune(target) if args.tune else 0
             else:
                 print(f"rebuilding: {reason}", file=sys.stderr)
         out = build(args.recipe, force=args.force, host_bytes=host_bytes)
@@ -434,14 +449,20 @@ def main(argv: list[str] | None = None) -> int:
         weights = (f"; {q['layers']} layers as {', '.join(q['kinds'])} blocks"
                    + (" (the parity above is of the float weights, before quantization)" if built else "")) if q else ""
         graph = ("no ONNX graph (torch backend)" if v is None else f"ONNX vs torch ({len(v['shapes'])} step shapes): "
-                 f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}")
+                 f"{'passed' if v['passed'] else 'FAILED'}, max abs err {v['max_abs_error']:.2e}"
+                 + (f"; ort graph: {v['ort_graph']}" if v.get("ort_graph") else ""))
         print(f"  {role}: {parity}{weights}; {graph}")
     print(f"  tensorrt: {manifest.tensorrt.status}: {manifest.tensorrt.reason}")
     for plan in manifest.tensorrt.plans:
         print(f"    {plan.role}: {plan.path} ({plan.bytes / 2**20:.0f} MiB, {plan.edition} {plan.tensorrt_version}, "
               f"{plan.precision}, {', '.join(plan.compute_capabilities)}, {len(plan.profiles)} profiles, "
               f"built in {plan.build_seconds:.1f} s)")
-    return 0
+    return _tune(out) if args.tune else 0
+
+
+def _tune(out: Path) -> int:
+    from ssd_trt.tune import main as tune
+    return tune([str(out), "--if-missing"])
 
 
 if __name__ == "__main__":

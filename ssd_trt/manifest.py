@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ssd_trt.errors import ArtifactError
 from ssd_trt.models.config import DecoderConfig
-from ssd_trt.recipe import Recipe
+from ssd_trt.recipe import DecodingDefaults, Recipe
 
 MANIFEST_NAME = "manifest.json"
 # 2: the step graph takes logit_indices (which new tokens get logits); the manifest is typed (pydantic),
@@ -107,6 +107,16 @@ class TokenizerEntry(_Strict):
     chat_template: bool
 
 
+class TunedDecoding(_Strict):
+    """The decoding defaults ``python -m ssd_trt.tune`` measured as fastest on this build, per regime, and how."""
+    greedy: DecodingDefaults
+    sampled: DecodingDefaults
+    measurement: dict[str, Any]           # prompts, placement, every point's tokens/s and speedup over AR
+
+    def for_params(self, greedy: bool) -> DecodingDefaults:
+        return self.greedy if greedy else self.sampled
+
+
 class Manifest(_Strict):
     """What a build produced. ``recipe`` is the validated recipe itself (one definition of the limits)."""
     schema_version: Literal[3]
@@ -122,6 +132,8 @@ class Manifest(_Strict):
     # the export path of each model, the memory estimated for it before the build and the peak it reached
     # (export/host_memory.py); absent from manifests written before it was recorded
     host_memory: dict[str, Any] | None = None
+    # decoding defaults chosen by measurement on this build (ssd_trt/tune.py); None: the recipe's decoding
+    tuned_decoding: TunedDecoding | None = None
 
     @model_validator(mode="after")
     def _a_speculative_pair(self) -> "Manifest":

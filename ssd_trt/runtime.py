@@ -58,9 +58,18 @@ class Generator:
     def engine(self, role: str):
         return self.engines.get(role)
 
-    def plan(self, mode: str) -> Plan:
-        """What ``mode`` will do for a request under these options and the build's decoding defaults."""
-        return mode_named(mode).plan(self.options, self.manifest.recipe.decoding)
+    def decoding_defaults(self, params: SamplingParams | None = None):
+        """K and the fan-out budget a request gets unless the options set them: the build's tuned winners for
+        the request's regime (greedy or sampled; ``python -m ssd_trt.tune``), else the recipe's."""
+        tuned = self.manifest.tuned_decoding
+        if tuned is None:
+            return self.manifest.recipe.decoding
+        return tuned.for_params(params is None or params.greedy)
+
+    def plan(self, mode: str, params: SamplingParams | None = None) -> Plan:
+        """What ``mode`` will do for a request with ``params`` (greedy when None) under these options and the
+        build's decoding defaults."""
+        return mode_named(mode).plan(self.options, self.decoding_defaults(params))
 
     def encode(self, prompt: str | bytes, chat: bool = False) -> list[int]:
         """Token ids of one prompt: text, or UTF-8 bytes. Invalid UTF-8 is refused, never guessed at."""
@@ -69,7 +78,7 @@ class Generator:
     def check_request(self, prompt_ids: list[list[int]], params: SamplingParams, mode: str
                       ) -> tuple[list[list[int]], Plan]:
         """Refuse a request the engines could not run (RequestError); the prompts as int lists, and the plan."""
-        plan = self.plan(mode)
+        plan = self.plan(mode, params)
         vocab = self.manifest.model("target").config.vocab_size
         return check_request(self.limits, vocab, prompt_ids, params, mode, plan), plan
 

@@ -135,8 +135,12 @@ def test_block_weight_builds_validate_fuse_and_stay_lossless(block_builds, weigh
     options.optimized_model_filepath = str(build / "optimized.onnx")
     ort.InferenceSession(str(build / "target" / "model.ort.onnx"), options, providers=["CPUExecutionProvider"])
     optimized = onnx.load(str(build / "optimized.onnx"), load_external_data=False)
-    assert sum(node.op_type == "MatMulNBits" for node in optimized.graph.node) == manifest["models"]["target"][
-        "quantization"]["layers"]
+    # every block-weight layer runs fused: the fused ort graph (export/fused_graph.py) packs q|k|v and gate|up,
+    # so the 7 linear layers of a decoder layer are 4 MatMulNBits (+1 for the head)
+    config = manifest["models"]["target"]["config"]
+    assert manifest["models"]["target"]["quantization"]["layers"] == 7 * config["num_layers"] + 1
+    assert manifest["validation"]["target"]["ort_graph"] == "fused"
+    assert sum(node.op_type == "MatMulNBits" for node in optimized.graph.node) == 4 * config["num_layers"] + 1
     assert not any(init.name.endswith(".weight_t") and init.dims[0] > 1 for init in optimized.graph.initializer
                    if "layers" in init.name), "an fp32 copy of a block-weight layer is still in the graph"
     gen = ssd_trt.load(build)

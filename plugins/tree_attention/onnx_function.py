@@ -28,21 +28,26 @@ def _i64(value) -> np.ndarray:
     return np.array(value, dtype=np.int64)
 
 
-def mask_nodes(prefix: str, cache_lengths: str, tree_mask: str, shape_source: str, out: str) -> list[onnx.NodeProto]:
+def mask_nodes(prefix: str, cache_lengths: str, tree_mask: str, shape_source: str, out: str,
+               width: str | None = None) -> list[onnx.NodeProto]:
     """Nodes computing the bool visibility mask [B, 1, 1, T, S] into ``out`` (names prefixed).
 
     ``shape_source`` is any [B, Hkv, S, D] cache tensor (its dim 2 is the capacity S); T comes from the
     mask's own shape, so the subgraph depends only on per-step inputs and is shared by every layer.
+    ``width``: a [1] int64 tensor giving S instead (``shape_source`` is then unused): the mask over the
+    first ``width`` slots only.
     """
     n = helper.make_node
     x = lambda name: prefix + name  # noqa: E731
+    slots = n("Shape", [shape_source], [x("S")], start=2, end=3) if width is None else \
+        n("Identity", [width], [x("S")])
     return [
         _const(x("zero"), _i64(0)), _const(x("one"), _i64(1)), _const(x("two"), _i64(2)),
         _const(x("c32"), _i64(32)), _const(x("two_pow_32"), _i64(2 ** 32)),
         _const(x("pow2"), _i64([2 ** j for j in range(32)])),
         _const(x("ax0"), _i64([0])), _const(x("ax1"), _i64([1])), _const(x("ax12"), _i64([1, 2])),
         n("Shape", [tree_mask], [x("B")], start=0, end=1), n("Shape", [tree_mask], [x("T")], start=1, end=2),
-        n("Shape", [shape_source], [x("S")], start=2, end=3),
+        slots,
         n("Squeeze", [x("T"), x("ax0")], [x("T_s")]), n("Squeeze", [x("S"), x("ax0")], [x("S_s")]),
         n("Cast", [cache_lengths], [x("L")], to=TensorProto.INT64),
         n("Unsqueeze", [x("L"), x("ax1")], [x("L_col")]),

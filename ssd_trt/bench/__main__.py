@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import ssd_trt
-from ssd_trt.bench import llama_cpp
+from ssd_trt.bench import llama_bench, llama_cpp
 from ssd_trt.bench.prompts import DEFAULT_PROMPTS, TUNING_PROMPTS, load_prompts
 from ssd_trt.bench.runner import agreement, by_category, run_engine, run_hf, summarise
 from ssd_trt.bench.settings import PRESETS, SETTINGS, SamplingPreset
@@ -35,9 +35,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field")
     p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     p.add_argument("--modes", default="ar,sd,ssd")
-    p.add_argument("--baselines", default="hf,hf_assisted,llama_cpp,llama_cpp_lookup",
-                   help="comma list of hf, hf_assisted, llama_cpp, llama_cpp_lookup, or 'none' (llama.cpp ones "
-                        "need the optional llama-cpp-python and a .gguf target; skipped with a note otherwise)")
+    p.add_argument("--baselines", default="hf,hf_assisted,llama_bench,llama_lookup,llama_cpp,llama_cpp_lookup",
+                   help="comma list of hf, hf_assisted, llama_bench, llama_lookup (llama.cpp's own binaries), "
+                        "llama_cpp, llama_cpp_lookup (its Python binding), or 'none' (llama.cpp ones need "
+                        "`bash scripts/install_llama_cpp.sh` and a .gguf target; skipped with a note otherwise)")
     p.add_argument("--ar-builds", default="",
                    help="comma list of LABEL=BUILD_DIR: other builds of the same target whose greedy AR runs side by "
                         "side as rows LABEL, with its agreement with this build's AR (e.g. "
@@ -56,6 +57,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ssd-k", default="2,3,4", help="K values swept for SSD (best one is reported)")
     p.add_argument("--ssd-budget", default="6,8,12", help="fan-out budgets swept for SSD")
     p.add_argument("--sweep-prompts", type=int, default=5, help="tuning prompts used by the sweeps")
+    p.add_argument("--build-defaults", action="store_true",
+                   help="no sweeps: SD and SSD run at the build's own decoding defaults for each preset's regime "
+                        "(the tuned winners in its manifest, python -m ssd_trt.tune; else the recipe's)")
     p.add_argument("--sweep-once", action="store_true",
                    help="sweep only under the first setting and reuse its best K / budget for the others")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -79,8 +83,8 @@ def usable_baselines(wanted: str, manifest) -> tuple[str, dict[str, str]]:
     """The baselines that can run here, and why each other one asked for is skipped."""
     keep, skipped = [], {}
     for name in [b for b in wanted.split(",") if b and b != "none"]:
-        if name in llama_cpp.NAMES:
-            reason = llama_cpp.unavailable_reason()
+        if name in (*llama_cpp.NAMES, *llama_bench.NAMES):
+            reason = llama_bench.unavailable_reason(name) if name in llama_bench.NAMES else llama_cpp.unavailable_reason()
             if reason is None and not manifest.model("target").source.endswith(".gguf"):
                 reason = "the target is not built from a .gguf file (llama.cpp runs the same file)"
             if reason is not None:
@@ -88,7 +92,8 @@ def usable_baselines(wanted: str, manifest) -> tuple[str, dict[str, str]]:
                 print(f"ssd_trt.bench: skipping {name}: {reason}", file=sys.stderr)
                 continue
         elif name not in BASELINES:
-            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join([*BASELINES, *llama_cpp.NAMES])}")
+            raise ValueError(f"unknown baseline {name!r}; choose from "
+                             f"{', '.join([*BASELINES, *llama_bench.NAMES, *llama_cpp.NAMES])}")
         keep.append(name)
     return ",".join(keep) or "none", skipped
 
@@ -99,7 +104,7 @@ def other_ar_builds(spec: str, manifest) -> list[tuple[str, Path]]:
     out = []
     for item in [i for i in spec.split(",") if i]:
         label, _, path = item.partition("=")
-        if not path or label in (*ENGINE_MODES, *BASELINES.values(), *llama_cpp.NAMES):
+        if not path or label in (*ENGINE_MODES, *BASELINES.values(), *llama_cpp.NAMES, *llama_bench.NAMES):
             raise ValueError(f"--ar-builds item {item!r}: write LABEL=BUILD_DIR with a label not already a mode "
                              f"or baseline")
         other = read_manifest(Path(path))
@@ -153,7 +158,11 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
     ar_small: list = []
 
     def pick(key: str, label: str, mode: str, values: list, make_kwargs):
-        """The fastest value on the tuning prompts (swept once; reused when ``chosen`` has it)."""
+        """The fastest value on the tuning prompts (swept once; reused when ``chosen`` has it), or the build's
+        default for this preset's regime (--build-defaults)."""
+        if key not in chosen and args.build_defaults:
+            d = args.decoding_defaults[params.greedy]
+            chosen[key] = d.sd_draft_len if key == "sd_k" else [d.ssd_draft_len, d.ssd_fan_out_budget]
         if key not in chosen:
             if not ar_small:    # the sweeps' AR reference, on the same tuning prompts
                 ar_small.append(summarise(run_engine(build, setting, "ar", small, small_ids, params,
@@ -186,6 +195,7 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
     for mode, runs in runs_by_mode.items():
         results[mode] = summarise(runs, reference)
         categories[mode] = by_category(runs, reference)
+    results.update(binary_rows(args, setting, prompts, encoded, params.greedy))
     for mode in [m for m in ENGINE_MODES if m in modes]:   # what a short request waits (startup cost)
         results[mode]["two_token_latency_s"] = two_token_latency(build, setting, mode, prompts, encoded, params,
                                                                  chosen)
@@ -198,7 +208,7 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
             results["ar"]["agreement_with_transformers"] = agreement([r.tokens for r in ar_runs],
                                                                      [r.tokens for r in runs_by_mode["hf_ar"]])
     for mode, summary in results.items():
-        for base in ("ar", "sd", "hf_ar", "hf_assisted", "llama_cpp"):
+        for base in ("ar", "sd", "hf_ar", "hf_assisted", "llama_cpp", "llama_bench"):
             if base in results and base != mode and results[base]["tokens_per_s"]:
                 summary[f"speedup_vs_{base}"] = summary["tokens_per_s"] / results[base]["tokens_per_s"]
     model = predicted_speedup(runs_by_mode.get("ssd", []), results["ar"]["tokens_per_s"])
@@ -207,6 +217,22 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
     timeline = next((r.stats["timeline"] for r in runs_by_mode.get("ssd", []) if r.stats.get("timeline")), [])
     return {"summary": results, "by_category": categories, "sweeps": sweeps, "speed_model": model,
             "timeline": timeline, "setting": setting.description, "chosen": chosen}
+
+
+def binary_rows(args, setting, prompts, encoded, greedy: bool) -> dict[str, dict]:
+    """llama.cpp's own binaries (bench/llama_bench.py) as rows shaped like ``summarise``'s: tokens/s only.
+    llama-bench does not sample, so its decode speed is every preset's yardstick; llama-lookup runs greedy."""
+    rows = {}
+    wanted = [b for b in args.binary_baselines.split(",") if b in llama_bench.NAMES]
+    for name in wanted if greedy else [b for b in wanted if b == "llama_bench"]:
+        if name == "llama_bench":
+            depth = round(float(np.mean([len(ids) for ids in encoded])))       # the measured prompts' mean length
+            row = llama_bench.run_llama_bench(args.gguf, setting, args.max_new_tokens, depth)
+        else:
+            row = llama_bench.run_llama_lookup(args.gguf, setting, args.prompt_texts, args.max_new_tokens)
+        rows[name] = {**dict.fromkeys(("prompts", "generated_tokens", "seconds", "ttft_s", "exact_prompts",
+                                       "mean_accepted", "cache_hit_rate", "ceiling_fraction")), **row}
+    return rows
 
 
 def two_token_latency(build, setting, mode: str, prompts, encoded, params, chosen: dict) -> float:
@@ -225,7 +251,7 @@ def two_token_latency(build, setting, mode: str, prompts, encoded, params, chose
 
 def table(name: str, summary: dict) -> str:
     head = f"{'mode':12s} {'tok/s':>7s} {'ttft':>6s} {'2tok':>6s} {'acc':>5s} {'hit':>5s} {'draft':>6s} " \
-           f"{'verif':>6s} {'exact':>7s} {'xAR':>5s} {'xSD':>5s} {'xHF':>5s} {'xHFas':>5s} {'xLC':>5s} {'ceil%':>6s}"
+           f"{'verif':>6s} {'exact':>7s} {'xAR':>5s} {'xSD':>5s} {'xHF':>5s} {'xHFas':>5s} {'xLC':>5s} {'xLB':>5s} {'ceil%':>6s}"
     lines = [f"== {name} ==", head]
 
     def f(v, fmt):
@@ -241,10 +267,11 @@ def table(name: str, summary: dict) -> str:
                      f"{f(s['cache_hit_rate'], '5.2f')} {ms(s.get('draft_latency_s'))} {ms(s.get('verify_latency_s'))} "
                      f"{exact:>7s} {f(s.get('speedup_vs_ar'), '5.2f')} {f(s.get('speedup_vs_sd'), '5.2f')} "
                      f"{f(s.get('speedup_vs_hf_ar'), '5.2f')} {f(s.get('speedup_vs_hf_assisted'), '5.2f')} "
-                     f"{f(s.get('speedup_vs_llama_cpp'), '5.2f')} "
+                     f"{f(s.get('speedup_vs_llama_cpp'), '5.2f')} {f(s.get('speedup_vs_llama_bench'), '5.2f')} "
                      f"{f(100 * s['ceiling_fraction'] if s['ceiling_fraction'] else None, '6.1f')}")
     lines.append("(2tok: median seconds of a 2-token request; acc: draft tokens accepted per round; draft / verif: "
-                 "ms per round; exact: token-identical to ar at T = 0, '-' when sampling)")
+                 "ms per round; exact: token-identical to ar at T = 0, '-' when sampling; xLC / xLB: against "
+                 "llama.cpp through its Python binding / its own llama-bench binary)")
     return "\n".join(lines)
 
 
@@ -263,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         tuning = (tuning_prompts, [probe.encode(p.prompt, chat=args.chat) for p in tuning_prompts])
         eos_ids = sorted(probe.eos_ids)
         args.baselines, skipped = usable_baselines(args.baselines, probe.manifest)
+        args.binary_baselines = args.baselines      # llama.cpp's binaries run under every preset
+        args.decoding_defaults = {greedy: probe.decoding_defaults(ssd_trt.SamplingParams(temperature=0 if greedy else 1))
+                                  for greedy in (True, False)}
+        # llama-lookup reads text: the prompts as this engine encodes them (chat template included)
+        args.prompt_texts = [probe.tokenizer.decode(ids) for ids in encoded]
         args.gguf = Path(probe.manifest.model("target").source)
         args.ar_builds = other_ar_builds(args.ar_builds, probe.manifest)
         weights = {role: f"{getattr(probe.manifest.recipe, role).weights} weights, "
@@ -282,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                          "date": datetime.datetime.now().isoformat(timespec="seconds"),
                          "machine": f"{platform.machine()} {platform.processor()} cpus={len(__import__('os').sched_getaffinity(0))}",
                          "hf_note": None if hf_pair is None else hf_pair[2], "skipped_baselines": skipped,
-                         "weights": weights, "ar_builds": {label: str(path) for label, path in args.ar_builds}},
+                         "weights": weights, "ar_builds": {label: str(path) for label, path in args.ar_builds},
+                         "k_and_budget": "the build's decoding defaults" if args.build_defaults else
+                         "swept on the tuning prompts"},
               "presets": {}}
     from ssd_trt.bench import plots
     for preset in chosen_presets:

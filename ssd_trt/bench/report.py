@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 COLUMNS = ("mode", "tok/s", "TTFT s", "2-token s", "accepted/round", "cache hit", "draft ms/round",
-           "verify ms/round", "exact", "×AR", "×SD", "×HF AR", "×HF assisted", "×llama.cpp", "% of ceiling (decode phase)")
+           "verify ms/round", "exact", "×AR", "×SD", "×HF AR", "×HF assisted", "×llama.cpp (binding)", "×llama-bench",
+           "% of ceiling (decode phase)")
 
 
 def _cell(value, fmt: str) -> str:
@@ -26,6 +27,7 @@ def row(mode: str, s: dict) -> str:
              _cell(ms(s.get("verify_latency_s")), ".1f"), exact, _cell(s.get("speedup_vs_ar"), ".2f"),
              _cell(s.get("speedup_vs_sd"), ".2f"), _cell(s.get("speedup_vs_hf_ar"), ".2f"),
              _cell(s.get("speedup_vs_hf_assisted"), ".2f"), _cell(s.get("speedup_vs_llama_cpp"), ".2f"),
+             _cell(s.get("speedup_vs_llama_bench"), ".2f"),
              _cell(None if s.get("ceiling_fraction") is None else 100 * s["ceiling_fraction"], ".1f")
              + ("" if s.get("decode_ceiling_fraction") is None else f" ({100 * s['decode_ceiling_fraction']:.1f})")]
     return "| " + " | ".join(cells) + " |"
@@ -41,7 +43,8 @@ def tables(report: dict) -> str:
         for setting, outcome in entry["settings"].items():
             chosen = outcome.get("chosen", {})
             picks = ", ".join(f"{k} {v}" for k, v in chosen.items())
-            out += [f"**{label} — {setting}** ({outcome['setting']}; tuned on the tuning split: {picks})", "",
+            how = report["config"].get("k_and_budget", "tuned on the tuning split")
+            out += [f"**{label} — {setting}** ({outcome['setting']}; {how}: {picks})", "",
                     "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
             out += [row(mode, s) for mode, s in outcome["summary"].items()]
             vs_hf = outcome["summary"].get("ar", {}).get("agreement_with_transformers")

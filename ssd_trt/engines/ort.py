@@ -15,7 +15,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
-from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_OUTPUT_FEATURES, EngineSpec, all_indices, check_room, past_names, \
+from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, \
+    EngineSpec, all_indices, check_room, past_names, \
     present_names
 from ssd_trt.engines.kv_cache import KVCache
 
@@ -89,8 +90,16 @@ class OrtEngine:
         self._bind_cache()
 
     def _bind_cache(self) -> None:
+        """One binding per cache allocation: each past buffer bound as its present too (written in place),
+        once; a step rebinds only its small inputs and its logits (no per-step work that scales with layers)."""
         ortvalue = self._ort.OrtValue.ortvalue_from_numpy
         self._cache_values = [ortvalue(buffer) for buffer in self.cache.buffers]
+        self._binding = self.session.io_binding()
+        for layer in range(self.spec.num_layers):
+            for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
+                value = self._cache_values[2 * layer + kind]
+                self._binding.bind_ortvalue_input(past, value)
+                self._binding.bind_ortvalue_output(present, value)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -128,30 +137,31 @@ class OrtEngine:
         if cache.reserve(num_new):
             self._bind_cache()
         packed = causal_tree_mask(batch, num_new) if tree_mask is None else pack_tree_mask(tree_mask)
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
-        binding.bind_cpu_input("tree_mask", packed)
-        binding.bind_cpu_input("cache_lengths", cache.lengths)
-        binding.bind_cpu_input("logit_indices", np.ascontiguousarray(
-            all_indices(batch, num_new) if logit_indices is None else logit_indices, dtype=np.int64))
-        for name, value in (extra or {}).items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        binding.bind_output("logits")  # first bound output: get_outputs()[0]
+        indices = np.ascontiguousarray(all_indices(batch, num_new) if logit_indices is None else logit_indices,
+                                       dtype=np.int64)
+        binding = self._binding      # the caches are bound already (_bind_cache)
+        # bind_cpu_input holds no reference: these arrays must live until the run is over
+        inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+                  "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64), "tree_mask": packed,
+                  "cache_lengths": cache.lengths, "logit_indices": indices,
+                  **{name: np.ascontiguousarray(value) for name, value in (extra or {}).items()}}
+        for name, value in inputs.items():
+            binding.bind_cpu_input(name, value)
+        # a fresh array per step: the caller may keep the logits while the next step runs
+        logits = np.empty((batch, indices.shape[1], self.spec.vocab_size), dtype=np.float32)
+        binding.bind_output(GRAPH_OUTPUT_LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         extra_output = GRAPH_OUTPUT_FEATURES if self.has_features else EAGLE3_OUTPUT_HIDDEN if self.has_hidden else None
         if extra_output:
-            binding.bind_output(extra_output)                           # second: get_outputs()[1]
-        for layer in range(self.spec.num_layers):
-            for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
-                value = self._cache_values[2 * layer + kind]
-                binding.bind_ortvalue_input(past, value)
-                binding.bind_ortvalue_output(present, value)  # same memory: written in place
+            binding.bind_output(extra_output)
         self.session.run_with_iobinding(binding)
         cache.lengths += num_new
-        outputs = binding.get_outputs()
-        self.last_features = outputs[1].numpy() if self.has_features else None
-        self.last_hidden = outputs[1].numpy() if self.has_hidden else None
-        return outputs[0].numpy()
+        if extra_output:     # bound last, after the presents and the logits: the binding's last output
+            value = binding.get_outputs()[-1].numpy()
+            self.last_features = value if self.has_features else None
+            self.last_hidden = value if self.has_hidden else None
+        else:
+            self.last_features = self.last_hidden = None
+        return logits
 
     def rollback(self, lengths: np.ndarray) -> None:
         self.cache.rollback(lengths)

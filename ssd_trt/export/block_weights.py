@@ -44,7 +44,7 @@ def apply_block_weights(model: onnx.ModelProto, blocks: dict[str, BlockWeight]) 
         if len(nodes_using) != 1 or nodes_using[0][0].op_type != "MatMul" or nodes_using[0][1] != 1:
             raise ValueError(f"{prefix}: expected one MatMul reading {name} as its second input")
         matmul = nodes_using[0][0]
-        ahead, behind, inits = _block_matmul(prefix, matmul, weight)
+        ahead, behind, inits = block_matmul(prefix, matmul, weight)
         position = list(model.graph.node).index(matmul)     # topological order: ahead, the MatMul, behind
         for offset, node in enumerate(ahead):
             model.graph.node.insert(position + offset, node)
@@ -60,7 +60,7 @@ def apply_block_weights(model: onnx.ModelProto, blocks: dict[str, BlockWeight]) 
     return model, {"layers": len(replaced), "kinds": kinds, "fp32_bytes_replaced": before, "block_bytes": after}
 
 
-def _block_matmul(prefix: str, matmul: onnx.NodeProto, weight: BlockWeight
+def block_matmul(prefix: str, matmul: onnx.NodeProto, weight: BlockWeight
                   ) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Nodes to put before ``matmul`` (the dequantized weight, rewired into it), nodes to put after it (Q4_1's
     offset term added to its output), and their initializers."""

@@ -227,22 +227,30 @@ def _externalise(traced: onnx.ModelProto, out_dir: Path, weights_file: str) -> o
 
 
 def save_flavours(traced: onnx.ModelProto, out_dir: Path, trt_traced: onnx.ModelProto | None = None,
-                  datacenter: bool = True, native: onnx.ModelProto | None = None) -> dict[str, Path]:
+                  datacenter: bool = True, native: onnx.ModelProto | None = None,
+                  fused: onnx.ModelProto | None = None) -> dict[str, Path]:
     """Write model.ort.onnx (fp32) and the TensorRT flavours the recipe's editions build from.
 
+    ``fused`` (``export/fused_graph.py``) is the ``ort`` flavour when given, with its own ``weights.bin``;
+    otherwise the traced graph is, through :func:`ort_flavour`.
     ``model.trt.onnx`` (data-centre, plugin node) when ``datacenter``: with one trace it shares
-    ``weights.bin``; ``trt_traced`` (the model traced in the recipe's TensorRT precision) gets
-    ``weights.trt.bin``. ``model.rtx.onnx`` (TensorRT for RTX, native attention) when ``native`` (the graph
-    from ``export/native_graph.py``) is given, with ``weights.rtx.bin``.
+    the traced graph's weight file (``weights.bin``, or ``weights.trt.bin`` beside a fused ``ort`` flavour);
+    ``trt_traced`` (the model traced in the recipe's TensorRT precision) gets ``weights.trt.bin``.
+    ``model.rtx.onnx`` (TensorRT for RTX, native attention) when ``native`` (the graph from
+    ``export/native_graph.py``) is given, with ``weights.rtx.bin``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    shared = _externalise(traced, out_dir, "weights.bin")
     paths = {"ort": out_dir / "model.ort.onnx"}
+    if fused is None:
+        shared = _externalise(traced, out_dir, "weights.bin")
+        onnx.save_model(ort_flavour(shared), paths["ort"])
+    else:
+        shared = _externalise(fused, out_dir, "weights.bin")
+        onnx.save_model(shared, paths["ort"])
     saved = [shared]
-    onnx.save_model(ort_flavour(shared), paths["ort"])
     if datacenter:
-        if trt_traced is not None:
-            shared = _externalise(trt_traced, out_dir, "weights.trt.bin")
+        if trt_traced is not None or fused is not None:
+            shared = _externalise(traced if trt_traced is None else trt_traced, out_dir, "weights.trt.bin")
         paths["trt"] = out_dir / "model.trt.onnx"
         saved.append(shared)
         onnx.save_model(trt_flavour(shared), paths["trt"])

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from plugins.tree_attention.reference import pack_tree_mask
+from ssd_trt.engines.base import GRAPH_OUTPUT_LOGITS
 from ssd_trt.export.onnx_export import cache_names, io_names
 from ssd_trt.models.config import DecoderConfig
 from ssd_trt.models.decoder import Decoder
@@ -78,10 +79,55 @@ def _torch_runner(model: Decoder, example: OrderedDict):
     return TorchCpuRunner()
 
 
+def _ort_in_place_runner(session, example: OrderedDict):
+    """ONNX Runtime run as the engine runs the ``ort`` flavour (engines/ort.py): each present_* cache bound
+    to its past_* buffer, written in place. The fused graph (export/fused_graph.py) updates only the new
+    slots of a shared buffer, so run any other way its present_* would not be the whole cache."""
+    import onnxruntime as ort
+    from polygraphy.backend.base import BaseRunner
+
+    class OrtInPlaceRunner(BaseRunner):
+        def __init__(self) -> None:
+            super().__init__(name="onnxrt-in-place")
+
+        def activate_impl(self) -> None:
+            pass
+
+        def deactivate_impl(self) -> None:
+            pass
+
+        def get_input_metadata_impl(self):
+            from polygraphy.common import TensorMetadata
+            metadata = TensorMetadata()
+            for name, value in example.items():
+                metadata.add(name, value.dtype, [None] * value.ndim)
+            return metadata
+
+        def infer_impl(self, feed_dict):
+            binding, caches = session.io_binding(), {}
+            binding.bind_output(GRAPH_OUTPUT_LOGITS)      # first bound: get_outputs()[0]
+            for name, value in feed_dict.items():
+                if name.startswith("past_"):
+                    # a copy (the feeds stay intact) that the run writes and the outputs return
+                    caches[name.replace("past_", "present_", 1)] = cache = np.array(value)
+                    bound = ort.OrtValue.ortvalue_from_numpy(cache)
+                    binding.bind_ortvalue_input(name, bound)
+                    binding.bind_ortvalue_output(name.replace("past_", "present_", 1), bound)
+                else:
+                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            start = time.perf_counter()
+            session.run_with_iobinding(binding)
+            self.inference_time = time.perf_counter() - start
+            return OrderedDict([(GRAPH_OUTPUT_LOGITS, np.array(binding.get_outputs()[0].numpy())), *caches.items()])
+
+    return OrtInPlaceRunner()
+
+
 def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple[int, int]],
                              threads: int = 2, capacity: int | None = None, cache_dtype=np.float32,
-                             atol: float = ATOL) -> dict:
+                             atol: float = ATOL, in_place: bool = False) -> dict:
     """Run torch and ONNX Runtime on the same inputs; return per-output max errors and a verdict.
+    ``in_place``: run ONNX Runtime with each cache written in place, as the ORT engine runs its graph.
 
     The graph is checked with fp32 activations in ONNX Runtime's fused 4/8-bit MatMuls (accuracy level 1):
     what is validated is the graph (its weights and ops). Int8 activations (level 4) are a runtime kernel
@@ -99,7 +145,8 @@ def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     feeds = [sample_feeds(model.config, batch, num_new, seed, capacity, cache_dtype)
              for seed, (batch, num_new) in enumerate(shapes)]
-    runners = [_torch_runner(model, feeds[0]), OnnxrtRunner(lambda: session)]
+    runners = [_torch_runner(model, feeds[0]),
+               _ort_in_place_runner(session, feeds[0]) if in_place else OnnxrtRunner(lambda: session)]
     results = Comparator.run(runners, data_loader=feeds)
     (_, torch_runs), (_, ort_runs) = results[0], results[1]
     max_abs, worst_scaled, same_infinities, masked = 0.0, 0.0, True, 0
@@ -121,6 +168,7 @@ def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple
                 torch_out[name], ort_out[name] = np.where(finite, expected, 0), np.where(finite, got, 0)
     verdict = Comparator.compare_accuracy(results, compare_func=_compare_func(atol))
     return {"tool": "polygraphy", "shapes": [list(s) for s in shapes], "atol": atol, "rtol": RTOL,
+            **({"caches": "written in place, as the engine runs the graph"} if in_place else {}),
             "max_abs_error": max_abs, "max_scaled_error": worst_scaled, "non_finite_compared_exactly": masked,
             "passed": bool(verdict) and same_infinities}
 
