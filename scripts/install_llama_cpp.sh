@@ -4,7 +4,7 @@
 #   1. llama.cpp's own binaries, compiled from the sdist's vendored source (vendor/llama.cpp) into
 #      .llama_cpp/bin: llama-bench (the yardstick users run) and llama-lookup (its n-gram speculative decoding);
 #   2. the Python binding, compiled from the same sdist (its Python generate loop: a slower row, labelled so).
-# ~6 min on 2 cores. AMX is switched off: on the machines this project runs on, llama.cpp's AMX int8 matmul
+# ~9 min on 2 cores. AMX is switched off: on the machines this project runs on, llama.cpp's AMX int8 matmul
 # segfaults on the embedded model (ggml_backend_amx_mul_mat); AVX-512 (VNNI, BF16) stays on where the CPU has it.
 # SKIP_BINDING=1 builds the binaries only.
 set -euo pipefail

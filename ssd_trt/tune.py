@@ -4,7 +4,8 @@ SD's K, and SSD's K with its fan-out budget B, are swept on the tuning prompts (
 disjoint from the prompts the benchmark reports on), with the chat template when the build has one, under the runtime's default
 placement (``RuntimeOptions()``: target on core 0, the draft on core 1), for two regimes: greedy, and sampled
 (T=0.7 / top-p 0.9 and T=1 / top-k 50 together). Each point runs every tuning prompt, in rounds over all points
-(a slow minute on a shared machine then touches every point alike); a point's speed is its best round.
+after one untimed request per mode (opening the engines is not decoding), so a slow minute on a shared machine
+touches every point alike; a point's speed is its best round (noise only ever slows a run down).
 The fastest point of each regime goes into the manifest (``tuned_decoding``), with every point measured and
 AR on the same prompts; ``generate``, the Python API and the Triton model then use the regime's winner for any
 request that does not set K or B (``Generator.plan``). A rebuild drops the tuning (its manifest is new):
@@ -53,6 +54,9 @@ def measure(generator, points: list[tuple], prompts: list[list[int]], presets: l
             rounds: int) -> dict[tuple, float]:
     """tokens/s of each point (total tokens / total seconds over the prompts and presets), best of ``rounds``."""
     default = generator.options
+    for mode in sorted({point[0] for point in points}):   # open every engine and see every shape once, untimed
+        generator.options = _options(generator, next(p for p in points if p[0] == mode))
+        generator.generate_ids(prompts[:1], presets[0].params(max_new_tokens), mode=mode)
     best: dict[tuple, float] = {}
     with tqdm(total=rounds * len(points), desc="tune", unit="point") as bar:
         for _ in range(rounds):

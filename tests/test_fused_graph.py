@@ -84,9 +84,11 @@ def test_a_wrong_fused_graph_fails_validation(tmp_path):
 def test_fused_layers_are_small_and_use_the_fused_ops(tmp_path):
     model = random_decoder(tiny_config(), seed=5)
     graph = fused_step_graph(model, _q4_1_blocks(model), max_positions=64)
-    per_layer = Counter(re.match(r"layers\.(\d+)\.", node.name).group(1) for node in graph.graph.node
-                        if node.name.startswith("layers."))
+    # by output name: every node of layer i writes a tensor named layers.<i>.* (unnamed nodes included)
+    per_layer = Counter(re.match(r"layers\.(\d+)\.", node.output[0]).group(1) for node in graph.graph.node
+                        if node.output[0].startswith("layers."))
     assert len(per_layer) == model.config.num_layers and max(per_layer.values()) <= 40, per_layer
+    assert min(per_layer.values()) == 31, per_layer   # Q4_1 offsets included: 4 block MatMuls x (DQ, MatMul, 4 side)
     ops = Counter(node.op_type for node in graph.graph.node)
     layers = model.config.num_layers
     assert ops["GroupQueryAttention"] == layers and ops["SkipSimplifiedLayerNormalization"] == 2 * layers

@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                                       f"tokens/s by category ({preset.name}, {setting.name})")
             if outcome["timeline"]:
                 plots.ssd_timeline(outcome["timeline"], args.out / f"ssd_timeline_{tag}.png")
-            plots.sweeps(outcome["sweeps"], args.out / f"sweeps_{tag}.png")
+            if outcome["sweeps"]:          # none with --build-defaults
+                plots.sweeps(outcome["sweeps"], args.out / f"sweeps_{tag}.png")
             print(table(f"{preset.name}, {setting.name}: {setting.description}", outcome["summary"]), flush=True)
             (args.out / "results.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out / 'results.json'} and plots")

@@ -42,7 +42,7 @@ def binary(name: str) -> Path | None:
 def unavailable_reason(name: str) -> str | None:
     if binary(name) is None:
         return (f"{BINARIES[name]} is not built (optional: `bash scripts/install_llama_cpp.sh` compiles llama.cpp's "
-                f"binaries from the vendored source of llama-cpp-python's sdist, ~4 min on 2 cores)")
+                f"binaries from the vendored source of llama-cpp-python's sdist, ~9 min on 2 cores)")
     return None
 
 
@@ -72,7 +72,7 @@ def run_llama_lookup(gguf: Path, setting: Setting, prompts: list[str], new_token
             path = Path(scratch) / f"prompt{index}.txt"
             path.write_text(prompt)
             command = [str(binary("llama_lookup")), "-m", str(gguf), "-f", str(path), "-n", str(new_tokens),
-                       "--draft-max", str(LOOKUP_DRAFT), "-t", str(threads), "-tb", str(threads), "--temp", "0",
+                       "--spec-draft-n-max", str(LOOKUP_DRAFT), "-t", str(threads), "-tb", str(threads), "--temp", "0",
                        "-c", "2048", "--ignore-eos"]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             match = _DECODED.search(done.stderr + done.stdout)
