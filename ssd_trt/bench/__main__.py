@@ -195,7 +195,7 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
     for mode, runs in runs_by_mode.items():
         results[mode] = summarise(runs, reference)
         categories[mode] = by_category(runs, reference)
-    results.update(binary_rows(args, setting, prompts, encoded, params.greedy))
+    results.update(binary_rows(args, setting, encoded, params.greedy))
     for mode in [m for m in ENGINE_MODES if m in modes]:   # what a short request waits (startup cost)
         results[mode]["two_token_latency_s"] = two_token_latency(build, setting, mode, prompts, encoded, params,
                                                                  chosen)
@@ -219,7 +219,7 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
             "timeline": timeline, "setting": setting.description, "chosen": chosen}
 
 
-def binary_rows(args, setting, prompts, encoded, greedy: bool) -> dict[str, dict]:
+def binary_rows(args, setting, encoded: list[list[int]], greedy: bool) -> dict[str, dict]:
     """llama.cpp's own binaries (bench/llama_bench.py) as rows shaped like ``summarise``'s: tokens/s only.
     llama-bench does not sample, so its decode speed is every preset's yardstick; llama-lookup runs greedy."""
     rows = {}

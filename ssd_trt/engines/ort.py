@@ -16,8 +16,7 @@ import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
 from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, \
-    EngineSpec, all_indices, check_room, past_names, \
-    present_names
+    EngineSpec, all_indices, check_room, past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
 
 

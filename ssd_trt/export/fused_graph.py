@@ -94,7 +94,7 @@ def _projection(graph: _Graph, x: str, prefix: str, modules: list[torch.nn.Linea
     elif not any(block_parts):
         groups = [(prefix, np.concatenate([_weight_t(m) for m in modules], axis=1), modules)]
     else:
-        groups = [(name, blocks.get(name, _weight_t(m)), [m]) for name, m in zip(names, modules)]
+        groups = [(name, blocks[name] if name in blocks else _weight_t(m), [m]) for name, m in zip(names, modules)]
     outputs = []
     for name, weight, members in groups:
         out = f"{name}.out"
@@ -117,7 +117,7 @@ def _projection(graph: _Graph, x: str, prefix: str, modules: list[torch.nn.Linea
 
 def _rotary_cache(model: Decoder, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos / sin [P, D/2] of every position's rotary angles, computed as the torch model computes them (fp32
-    angles position * theta^(-2i/D)), so the fused graph's rotary is the model's to the bit."""
+    angles position * theta^(-2i/D), fp32 cos / sin), so the fused graph rotates by the model's own angles."""
     angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * model.inv_freq.float()[None, :]
     return angles.cos().numpy(), angles.sin().numpy()
 

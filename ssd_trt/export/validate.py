@@ -40,16 +40,12 @@ def sample_feeds(c: DecoderConfig, batch: int, num_new: int, seed: int, capacity
     return feeds
 
 
-def _torch_runner(model: Decoder, example: OrderedDict):
+def _runner_base(example: OrderedDict):
+    """A Polygraphy runner class fed ``example``'s inputs (names and dtypes, any shape); subclasses infer."""
     from polygraphy.backend.base import BaseRunner
+    from polygraphy.common import TensorMetadata
 
-    class TorchCpuRunner(BaseRunner):
-        """Eager torch on CPU (Polygraphy's PytorchRunner calls .cuda())."""
-
-        def __init__(self) -> None:
-            super().__init__(name="torch-cpu")
-            self.output_names = io_names(model.config.num_layers)[1]
-
+    class FeedRunner(BaseRunner):
         def activate_impl(self) -> None:
             pass
 
@@ -57,11 +53,21 @@ def _torch_runner(model: Decoder, example: OrderedDict):
             pass
 
         def get_input_metadata_impl(self):
-            from polygraphy.common import TensorMetadata
             metadata = TensorMetadata()
             for name, value in example.items():
                 metadata.add(name, value.dtype, [None] * value.ndim)
             return metadata
+
+    return FeedRunner
+
+
+def _torch_runner(model: Decoder, example: OrderedDict):
+    class TorchCpuRunner(_runner_base(example)):
+        """Eager torch on CPU (Polygraphy's PytorchRunner calls .cuda())."""
+
+        def __init__(self) -> None:
+            super().__init__(name="torch-cpu")
+            self.output_names = io_names(model.config.num_layers)[1]
 
         def infer_impl(self, feed_dict):
             start = time.perf_counter()
@@ -84,29 +90,16 @@ def _ort_in_place_runner(session, example: OrderedDict):
     to its past_* buffer, written in place. The fused graph (export/fused_graph.py) updates only the new
     slots of a shared buffer, so run any other way its present_* would not be the whole cache."""
     import onnxruntime as ort
-    from polygraphy.backend.base import BaseRunner
 
-    class OrtInPlaceRunner(BaseRunner):
+    class OrtInPlaceRunner(_runner_base(example)):
         def __init__(self) -> None:
             super().__init__(name="onnxrt-in-place")
-
-        def activate_impl(self) -> None:
-            pass
-
-        def deactivate_impl(self) -> None:
-            pass
-
-        def get_input_metadata_impl(self):
-            from polygraphy.common import TensorMetadata
-            metadata = TensorMetadata()
-            for name, value in example.items():
-                metadata.add(name, value.dtype, [None] * value.ndim)
-            return metadata
 
         def infer_impl(self, feed_dict):
             binding, caches = session.io_binding(), {}
             binding.bind_output(GRAPH_OUTPUT_LOGITS)      # first bound: get_outputs()[0]
-            for name, value in feed_dict.items():
+            held = {name: np.ascontiguousarray(value) for name, value in feed_dict.items()}   # alive until the run
+            for name, value in held.items():
                 if name.startswith("past_"):
                     # a copy (the feeds stay intact) that the run writes and the outputs return
                     caches[name.replace("past_", "present_", 1)] = cache = np.array(value)
@@ -114,7 +107,7 @@ def _ort_in_place_runner(session, example: OrderedDict):
                     binding.bind_ortvalue_input(name, bound)
                     binding.bind_ortvalue_output(name.replace("past_", "present_", 1), bound)
                 else:
-                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                    binding.bind_cpu_input(name, value)
             start = time.perf_counter()
             session.run_with_iobinding(binding)
             self.inference_time = time.perf_counter() - start
