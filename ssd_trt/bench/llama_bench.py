@@ -46,16 +46,12 @@ def unavailable_reason(name: str) -> str | None:
     return None
 
 
-def _cores(setting: Setting) -> tuple[int, ...]:
-    return (0,) if setting.single_threads == 1 else tuple(range(setting.single_threads))
-
-
 def run_llama_bench(gguf: Path, setting: Setting, new_tokens: int, depth: int) -> dict:
     """llama-bench's decode speed: tokens/s (mean and std over REPETITIONS) of ``new_tokens`` after ``depth``."""
     threads = setting.single_threads
     command = [str(binary("llama_bench")), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-d", str(depth),
                "-t", str(threads), "-r", str(REPETITIONS), "-o", "json"]
-    with pinned(_cores(setting)):        # the child inherits these cores
+    with pinned(setting.single_cores):        # the child inherits these cores
         done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-800:]}")
@@ -67,7 +63,7 @@ def run_llama_bench(gguf: Path, setting: Setting, new_tokens: int, depth: int) -
 def run_llama_lookup(gguf: Path, setting: Setting, prompts: list[str], new_tokens: int) -> dict:
     """llama-lookup, greedy, per prompt: decode tokens/s over all prompts (sum of tokens / sum of seconds)."""
     threads, tokens, seconds = setting.single_threads, 0, 0.0
-    with tempfile.TemporaryDirectory() as scratch, pinned(_cores(setting)):
+    with tempfile.TemporaryDirectory() as scratch, pinned(setting.single_cores):
         for index, prompt in enumerate(prompts):
             path = Path(scratch) / f"prompt{index}.txt"
             path.write_text(prompt)

@@ -44,9 +44,8 @@ def run_llama_cpp(gguf: Path, setting: Setting, prompts: list[Prompt], encoded: 
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     threads = setting.single_threads
-    cores = (0,) if threads == 1 else (0, 1)
     runs = []
-    with pinned(cores):          # llama.cpp's worker threads inherit these cores
+    with pinned(setting.single_cores):          # llama.cpp's worker threads inherit these cores
         draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS) if label == "llama_cpp_lookup" else None
         llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
                     draft_model=draft, verbose=False)

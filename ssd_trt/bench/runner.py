@@ -51,7 +51,7 @@ def run_hf(target, assistant, setting: Setting, prompts: list[Prompt], encoded: 
     torch.set_num_threads(setting.single_threads)
     runs = []
     try:
-        with pinned((0,) if setting.single_threads == 1 else (0, 1)):
+        with pinned(setting.single_cores):
             for prompt, ids in tqdm(list(zip(prompts, encoded)), desc=f"{setting.name} {label}", unit="prompt",
                                     leave=False):
                 tokens, seconds, ttft = hf_generate(target, ids, max_new_tokens, eos_ids, assistant)

@@ -19,11 +19,16 @@ class Setting:
     description: str
     single_threads: int          # threads of a model that runs alone (ar, sd, baselines)
 
+    @property
+    def single_cores(self) -> tuple[int, ...]:
+        """The cores a model that runs alone is pinned to: one per thread, from core 0."""
+        return tuple(range(self.single_threads))
+
     def options(self, mode: str, draft_len: int | None, ssd: dict | None = None) -> RuntimeOptions:
         if mode == "ssd":
             return RuntimeOptions(target_threads=1, draft_threads=1, target_cores=(0,), draft_cores=(1,),
                                   draft_len=draft_len, ssd=dict(ssd or {}))
-        cores = (0,) if self.single_threads == 1 else (0, 1)
+        cores = self.single_cores
         # AR runs one session, which may spin; SD's two sessions share the cores, so they must not
         return RuntimeOptions(target_threads=self.single_threads, draft_threads=self.single_threads,
                               target_cores=cores, draft_cores=cores, draft_len=draft_len,
