@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the README's benchmark tables on the embedded default (2-core CPU, batch 1, 128 tokens):
+# Reproduce the benchmark tables (README, docs/benchmarks.md) on the embedded default (2-core CPU, batch 1, 128 tokens):
 # greedy, T=0.7 top-p 0.9 and T=1 top-k 50; SD and SSD at the build's decoding defaults, which `--tune` chose
 # by measurement on the tuning split (tuning.jsonl), reported on the measured prompts (default.jsonl, 2 per
 # category). llama.cpp rows need `bash scripts/install_llama_cpp.sh` (its own llama-bench / llama-lookup binaries

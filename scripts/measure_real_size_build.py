@@ -94,7 +94,7 @@ def record(pair: str, work: Path, command: str, tensorrt: str) -> dict:
         manifest = json.loads(manifest_path.read_text())
         result.update(
             build_seconds_in_manifest=manifest["build_seconds"], host_memory=manifest["host_memory"],
-            validation={k: {f: v.get(f) for f in ("passed", "max_abs_error", "scope", "shapes")}
+            validation={k: {f: v.get(f) for f in ("passed", "max_abs_error", "scope", "shapes", "ort_graph")}
                         for k, v in manifest["validation"].items()},
             parity={role: {f: m["parity_vs_transformers"].get(f) for f in ("max_abs_diff", "logit_scale", "scope")}
                     for role, m in manifest["models"].items()},

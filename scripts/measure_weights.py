@@ -102,7 +102,7 @@ def greedy_outputs(build: Path, tokens: int) -> dict[str, dict[str, list[int]]]:
 
 
 def table(report: dict) -> str:
-    """The README's "4-bit weights" table, rendered from weights.json (nothing typed by hand)."""
+    """The "4-bit weights" table (docs/weights.md), rendered from weights.json (nothing typed by hand)."""
     head = ("| build | target weights / activations | draft | decode ms (1 thr / 2 thr) | verify 3 tokens ms "
             "(1 / 2) | draft decode ms | resident MB | fused 4/8-bit MatMuls | logits vs fp32: max abs (argmax "
             "changes / positions) | greedy AR = fp32 build | SD & SSD = own AR | SD accepted/round |")

@@ -1,4 +1,4 @@
-"""Where the time of a step goes, for the README's "Where the time goes".
+"""Where the time of a step goes, for docs/cpu_speed.md's profiles.
 
     python scripts/profile_step.py build/smollm2-135m            # ONNX Runtime: one target decode step
     python scripts/profile_step.py build/smollm2-135m --ssd      # py-spy: SSD's target and draft threads

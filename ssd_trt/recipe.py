@@ -111,7 +111,7 @@ def ssd_tree_tokens(draft_len: int, fan_out_budget: int) -> int:
 
 
 class DecodingDefaults(BaseModel):
-    """What a request gets unless it sets its own; tuned per model pair (README: "Tuning the defaults")."""
+    """What a request gets unless it sets its own; tuned per model pair (docs/recipes.md, "Tuning the defaults")."""
     model_config = ConfigDict(extra="forbid")
     sd_draft_len: int = Field(4, ge=1, le=MAX_DRAFT_LEN, description="K of --mode sd")
     ssd_draft_len: int = Field(4, ge=1, le=MAX_DRAFT_LEN, description="K of --mode ssd")
@@ -158,7 +158,7 @@ def _describe(error: ValidationError, path: Path) -> str:
         if item["type"] == "missing":
             message = "is required but missing"
         elif item["type"] == "extra_forbidden":
-            message = "is not a known field (check the spelling; see README 'Writing a recipe')"
+            message = "is not a known field (check the spelling; see docs/recipes.md)"
         if not item["loc"] and item["type"] == "value_error":   # a cross-field check: its message names the fields
             lines.append(f"  - {message.removeprefix('Value error, ')}")
             continue
@@ -177,11 +177,11 @@ def load_recipe(path: str | Path) -> Recipe:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from None
     except RecursionError:
-        raise RecipeError(f"recipe {path} nests too deeply to be a recipe; see README 'Writing a recipe'") from None
+        raise RecipeError(f"recipe {path} nests too deeply to be a recipe; see docs/recipes.md") from None
     if data is None:
         raise RecipeError(f"recipe {path} is empty (no YAML content, only whitespace or comments); write a "
                           f"mapping with keys name, target, draft (and optionally engine, decoding), e.g. "
-                          f"recipes/smollm2-135m.yaml; see README 'Writing a recipe'")
+                          f"recipes/smollm2-135m.yaml; see docs/recipes.md")
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {path} must be a YAML mapping with keys name, target, draft, engine; "
                           f"got {type(data).__name__}")

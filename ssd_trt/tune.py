@@ -31,6 +31,7 @@ from ssd_trt.manifest import TunedDecoding, read_manifest, write_manifest
 from ssd_trt.recipe import DecodingDefaults
 
 REGIMES = {"greedy": ("greedy",), "sampled": ("t0.7-p0.9", "t1-k50")}
+PLOT_NAME = "tuning.png"      # beside the manifest: every measured point as speedup over AR
 
 
 def grid(sd_ks: list[int], ssd_ks: list[int], budgets: list[int], limits) -> list[tuple]:
@@ -106,7 +107,25 @@ def tune(build_dir: Path, prompts_file: Path = TUNING_PROMPTS, prompts: int = 4,
         **measured})
     manifest = read_manifest(build_dir)
     write_manifest(build_dir, manifest.model_copy(update={"tuned_decoding": tuned}))
+    plot_tuning(tuned.measurement, build_dir / PLOT_NAME)
     return tuned
+
+
+def plot_tuning(measurement: dict, path: Path) -> Path | None:
+    """Every measured point as speedup over AR, one panel per regime and mode (the bench's sweep plot);
+    None when matplotlib (an optional extra) is not installed."""
+    try:
+        from ssd_trt.bench.plots import sweeps
+    except ImportError:
+        return None
+    panels = {}
+    for regime in REGIMES:
+        points = measurement[regime]["points"]
+        panels[f"{regime}: sd K"] = [{"value": q["draft_len"], "speedup_vs_ar": q["speedup_vs_ar"]}
+                                     for q in points if q["mode"] == "sd"]
+        panels[f"{regime}: ssd K x budget"] = [{"value": [q["draft_len"], q["fan_out_budget"]],
+                                                "speedup_vs_ar": q["speedup_vs_ar"]} for q in points if q["mode"] == "ssd"]
+    return sweeps(panels, path)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -139,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{regime:8s} sd K={d.sd_draft_len} ({best[('sd', d.sd_draft_len, None)]:.2f}x AR)   "
               f"ssd K={d.ssd_draft_len} B={d.ssd_fan_out_budget} "
               f"({best[('ssd', d.ssd_draft_len, d.ssd_fan_out_budget)]:.2f}x AR)   AR {m['ar_tokens_per_s']:.1f} tok/s")
-    print(f"recorded in {args.build_dir / 'manifest.json'} (tuned_decoding)")
+    plot = args.build_dir / PLOT_NAME
+    print(f"recorded in {args.build_dir / 'manifest.json'} (tuned_decoding)"
+          + (f"; every point plotted in {plot}" if plot.exists() else ""))
     return 0
 
 

@@ -58,7 +58,7 @@ def test_bench_reports_every_preset_tunes_on_the_tuning_split_and_plots(tiny_pai
         for plot in ("tokens_per_category", "ssd_timeline", "sweeps"):
             assert (tmp_path / "out" / f"{plot}_{name}_paper-style.png").read_bytes()[:4] == b"\x89PNG"
     assert "t1-k50, paper-style" in result.stdout and "exact" in result.stdout
-    # the README's tables are rendered from results.json, never typed
+    # the published tables are rendered from results.json, never typed
     rendered = subprocess.run([sys.executable, "-m", "ssd_trt.bench.report", str(tmp_path / "out" / "results.json")],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert rendered.returncode == 0, rendered.stderr

@@ -62,7 +62,7 @@ def test_a_1b_checkpoint_builds_streamed_within_bounded_host_memory(llama_1b):
     parity = target["parity_vs_transformers"]
     assert "first 2 of 16" in parity["scope"] and parity["max_abs_diff"] <= 1e-4 * max(1.0, parity["logit_scale"])
     validation = manifest["validation"]["target"]
-    assert validation["passed"] and "first 2 of 16" in validation["scope"]
+    assert validation["passed"] and "first 2 of 16" in validation["scope"] and validation["ort_graph"] == "fused"
     # the graph holds no weights: they are external, in the file written tensor by tensor
     graph = llama_1b["build"] / "target" / "model.ort.onnx"
     assert graph.stat().st_size < 16 << 20
@@ -117,6 +117,39 @@ def test_the_streamed_graph_computes_what_the_in_memory_graph_computes(tmp_path,
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type, weights", [("llama", "int4"), ("qwen2", "float"), ("qwen3", "int4")])
+def test_the_streamed_fused_graph_computes_what_the_in_memory_fused_graph_computes(tmp_path, model_type, weights):
+    """The fused ort flavour written layer by layer from the checkpoint (weights straight to the file) is the
+    graph the in-memory build writes from the loaded model: same nodes, same logits and caches."""
+    import onnxruntime as ort
+
+    from ssd_trt.export.block_weights import model_block_weights
+    from ssd_trt.export.fused_graph import fused_step_graph
+    from ssd_trt.export.onnx_export import save_flavours
+    from ssd_trt.export.streamed_fused import export_ort_graph
+    from ssd_trt.export.validate import sample_feeds
+    from ssd_trt.models.checkpoint import Checkpoint
+    from ssd_trt.models.loading import load_decoder
+    from ssd_trt.models.sources import resolve_source
+    source = _tiny_checkpoint(tmp_path / "ckpt", shards=2, model_type=model_type)
+    model, _ = load_decoder(resolve_source(str(source)))
+    blocks = model_block_weights(weights, resolve_source(str(source)), model)
+    in_memory = save_flavours(None, tmp_path / "in_memory", datacenter=False,
+                              fused=fused_step_graph(model, blocks, 65))["ort"]
+    bits = {"float": None, "int4": 4}[weights]
+    graph, binding, form = export_ort_graph(Checkpoint.open(source), tmp_path / "streamed", bits, 65)
+    assert form == "fused"
+    assert (binding.quantization or {}).get("layers") == (3 * 7 + 1 if bits else None)
+    streamed = save_flavours(None, tmp_path / "streamed", datacenter=False, fused=graph)["ort"]
+    kinds = [[n.op_type for n in onnx.load(str(p), load_external_data=False).graph.node] for p in (in_memory, streamed)]
+    assert kinds[0] == kinds[1] and kinds[0].count("GroupQueryAttention") == 3
+    sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (in_memory, streamed)]
+    for seed, (batch, new) in enumerate([(1, 2), (2, 5)]):
+        feeds = dict(sample_feeds(model.config, batch, new, seed))
+        for a, b in zip(*(s.run(None, feeds) for s in sessions)):
+            np.testing.assert_array_equal(a, b)
+
+
 def _recipe(tmp_path: Path, target: Path, **target_fields) -> Path:
     draft = save_hf_checkpoint(random_decoder(tiny_config(layers=1, hidden=32), seed=2), tmp_path / "draft")
     path = write_recipe(tmp_path / "recipe.yaml", target, draft, name="shards")
@@ -135,6 +168,8 @@ def test_a_sharded_checkpoint_builds_streamed_and_its_checks_say_what_they_cover
     manifest = read_manifest(out)
     assert manifest.host_memory["exports"]["target"]["path"] == "streamed"
     assert "first 1 of 3" in manifest.validation["target"]["scope"] and manifest.validation["target"]["passed"]
+    assert manifest.validation["target"]["ort_graph"] == "fused"
+    assert manifest.validation["target"]["caches"].startswith("written in place")
     parity = manifest.model("target").parity_vs_transformers          # transformers' own Llama / Qwen3
     assert parity["max_abs_diff"] < 1e-4 * parity["logit_scale"], parity
     assert {a.flavour for a in manifest.artifacts if a.role == "target"} >= {"ort", "weights", "trt_weights", "rtx"}

@@ -32,7 +32,7 @@ def varied_prompts(count: int) -> list[str]:
 
 @pytest.mark.slow
 def test_greedy_ar_is_token_identical_to_transformers_generate(smollm2_fp32_build):
-    """The fp32 reference build (the default's int8 activations approximate it: README "4-bit weights")."""
+    """The fp32 reference build (the default's int8 activations approximate it: docs/weights.md)."""
     from transformers import AutoModelForCausalLM
 
     smollm2_build = smollm2_fp32_build

@@ -35,6 +35,7 @@ def test_tune_records_the_fastest_measured_point_per_regime(tiny_pairs, tmp_path
         assert points[("ssd", chosen.ssd_draft_len, chosen.ssd_fan_out_budget)] == \
             max(v for k, v in points.items() if k[0] == "ssd")
     assert "recorded in" in capsys.readouterr().out
+    assert (build / "tuning.png").read_bytes()[:4] == b"\x89PNG"     # every point, plotted
     # --if-missing leaves a tuned build alone
     assert tune_main([str(build), "--if-missing"]) == 0
     assert read_manifest(build).tuned_decoding == tuned

@@ -4,7 +4,7 @@ For each sampling preset (greedy, T=0.7 top-p 0.9, T=1 top-k 50, or --temperatur
 each hardware setting: SD's K, and SSD's K and fan-out budget jointly (every pair of the two lists: the best
 budget depends on K, since the draft's tree grows with K x budget), are swept on the tuning prompts (a split
 disjoint from the measured ones), then every mode runs the measured prompts. Writes results.json, PNG
-plots and a terminal table to --out. See README "Benchmarks" for the schema.
+plots and a terminal table to --out. See docs/benchmarks.md for the schema.
 """
 from __future__ import annotations
 

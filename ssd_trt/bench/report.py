@@ -1,6 +1,6 @@
-"""``python -m ssd_trt.bench.report results.json``: the README's tables, rendered from a benchmark's results.
+"""``python -m ssd_trt.bench.report results.json``: the benchmark tables (README, docs/benchmarks.md), rendered from a benchmark's results.
 
-Every number in the README's results section comes from this output (nothing is typed by hand).
+Every number in the README's and docs/benchmarks.md's results comes from this output (nothing is typed by hand).
 """
 from __future__ import annotations
 

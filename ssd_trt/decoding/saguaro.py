@@ -32,7 +32,7 @@ which moves residual mass onto cached tokens (the reference code scales top-(F+1
 
 Tree decode re-feeds the glue tokens and earlier branch tokens at every step (their KV is not kept
 between steps) because the attention op treats every cached slot as visible prefix; a masked cached
-region would remove that re-feed (profiled cost in the README).
+region would remove that re-feed (profiled cost: docs/decoding.md).
 """
 from __future__ import annotations
 

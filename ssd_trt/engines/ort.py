@@ -4,7 +4,7 @@ The KV cache lives in numpy buffers owned by :class:`KVCache`. Each step binds e
 both the input ``past_*`` and the output ``present_*`` (IOBinding over the same memory): ORT's
 ScatterElements skips its input->output copy when the two are the same buffer, so a decode step
 writes only its T new entries instead of re-copying the cache (measured in tests/test_ort_engine.py
-and the README: step time does not grow with unused capacity).
+and docs/weights.md: step time does not grow with unused capacity).
 """
 from __future__ import annotations
 

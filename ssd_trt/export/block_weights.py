@@ -96,7 +96,8 @@ def dequantize_into(prefix: str, matmul: onnx.NodeProto) -> onnx.NodeProto:
 
 def pack_int4(values: np.ndarray) -> bytes:
     """int8 values in -8..7 packed as ONNX stores INT4: two a byte, the first in the low nibble (row-major)."""
-    flat = (values.reshape(-1).astype(np.int16) & 0x0F).astype(np.uint8)
+    # two's complement: an int8 value's low nibble, read as a byte, is its 4-bit code (-1 -> 0xF)
+    flat = np.ascontiguousarray(values, dtype=np.int8).reshape(-1).view(np.uint8) & 0x0F
     if flat.size % 2:
         flat = np.append(flat, np.uint8(0))
     return (flat[0::2] | (flat[1::2] << 4)).tobytes()

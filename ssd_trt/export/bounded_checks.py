@@ -74,17 +74,21 @@ def _rebuild_rotary(model) -> None:
 
 
 def bounded_validation(checkpoint: Checkpoint, layers: int, bits: int | None, shapes: list[tuple[int, int]],
-                       native_capacity: int | None = None) -> dict[str, dict]:
-    """ONNX Runtime vs torch on the cut checkpoint's streamed graph (and its native-attention rewrite when
-    ``native_capacity`` is given); ``{"ort": result, "rtx": result}``."""
+                       max_positions: int, native_capacity: int | None = None) -> dict[str, dict]:
+    """ONNX Runtime vs torch on the cut checkpoint's ``ort`` graph, written by the same code as the full one and
+    run as the engine runs it (caches in place), and on its native-attention rewrite when ``native_capacity``
+    is given; ``{"ort": result, "rtx": result}``."""
     from ssd_trt.export.native_graph import native_flavour
+    from ssd_trt.export.streamed_fused import export_ort_graph
     cut = first_layers(checkpoint, layers)
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch)
-        graph, binding = export_streamed(cut, out, "weights.bin", torch.float32, bits, keep_computed=True)
-        path = save_flavours(graph, out, datacenter=False)["ort"]
-        results["ort"] = validate_with_polygraphy(reference_decoder(cut.config, binding.computed), path, shapes)
+        graph, binding, form = export_ort_graph(cut, out, bits, max_positions, keep_computed=True)
+        path = (save_flavours(None, out, datacenter=False, fused=graph) if form == "fused" else
+                save_flavours(graph, out, datacenter=False))["ort"]
+        results["ort"] = validate_with_polygraphy(reference_decoder(cut.config, binding.computed), path, shapes,
+                                                  in_place=True)
         if native_capacity is not None:
             (out / "rtx").mkdir()
             plain, binding = export_streamed(cut, out / "rtx", "weights.bin", torch.float32, None, keep_computed=True)

@@ -16,8 +16,15 @@ gate|up) concatenates output columns; blocks run along K, so every column keeps 
 scales: the packed product is, column for column, the separate products.
 
 I/O is the step-graph contract of ``engines/base.py`` unchanged, so the runtime cannot tell the forms apart.
+
+The writer reads the weights through :class:`StepWeights`, one decoder layer at a time: a loaded model
+(:class:`LoadedWeights`), or a checkpoint too large to hold, read layer by layer (``streamed_fused.CheckpointWeights``)
+with every initializer written straight to the external weight file (``sink``) as it is made.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import onnx
@@ -28,31 +35,88 @@ from plugins.tree_attention.onnx_function import mask_nodes
 from ssd_trt.engines.base import GRAPH_OUTPUT_LOGITS, past_names, present_names
 from ssd_trt.export.block_weights import block_matmul
 from ssd_trt.export.onnx_export import CACHE_AXES, STEP_DYNAMIC_AXES
-from ssd_trt.models.decoder import Decoder
+from ssd_trt.models.config import DecoderConfig
+from ssd_trt.models.decoder import Decoder, DecoderLayer, RMSNorm
 from ssd_trt.models.gguf_blocks import BlockWeight
+
+if TYPE_CHECKING:
+    from ssd_trt.export.streamed import ExternalWeights
 
 MS_DOMAIN = "com.microsoft"
 OPSET = 23            # RMSNormalization (block-32 DequantizeLinear and INT4 since 21)
+INLINE_BYTES = 1024   # initializers smaller than this stay in the graph (as save_flavours leaves them)
 
 
 def unsupported_reason(model) -> str | None:
     """Why ``model`` keeps the traced graph, or None when the fused form covers it."""
     if not isinstance(model, Decoder):
         return f"traced: a {type(model).__name__} has its own step graph (onnx_export.py)"
-    if model.config.head_dim % 16:
-        return (f"traced: head_dim {model.config.head_dim} is not a multiple of 16, which ONNX Runtime's "
-                f"GroupQueryAttention requires")
     if model.feature_layers:
         return "traced: a target returning features for an EAGLE-3 draft keeps the traced graph"
+    return config_reason(model.config)
+
+
+def config_reason(config: DecoderConfig) -> str | None:
+    """Why a decoder of this shape keeps the traced graph, or None."""
+    if config.head_dim % 16:
+        return (f"traced: head_dim {config.head_dim} is not a multiple of 16, which ONNX Runtime's "
+                f"GroupQueryAttention requires")
     return None
 
 
-class _Graph:
-    """Nodes and initializers being written, with unique names."""
+class StepWeights(Protocol):
+    """A decoder's weights as the fused writer reads them, in order: the embedding, each layer, the head.
+    Block weights are keyed by the Decoder's module names (``layers.3.mlp.up_proj``, ``lm_head``)."""
+    config: DecoderConfig
+    inv_freq: torch.Tensor
+    head_token_ids: np.ndarray | None      # a reduced draft head's token ids
 
-    def __init__(self) -> None:
+    def embedding(self) -> torch.Tensor: ...
+
+    def layer(self, index: int) -> tuple[DecoderLayer, dict[str, BlockWeight]]: ...
+
+    def head(self) -> tuple[RMSNorm, torch.nn.Module, dict[str, BlockWeight]]: ...
+
+
+@dataclass
+class LoadedWeights:
+    """:class:`StepWeights` of a model in memory."""
+    model: Decoder
+    blocks: dict[str, BlockWeight]
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.model.config
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.model.inv_freq
+
+    @property
+    def head_token_ids(self) -> np.ndarray | None:
+        ids = self.model.lm_head_token_ids
+        return None if ids is None else ids.numpy()
+
+    def embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
+    def layer(self, index: int) -> tuple[DecoderLayer, dict[str, BlockWeight]]:
+        return self.model.layers[index], self.blocks
+
+    def head(self) -> tuple[RMSNorm, torch.nn.Module, dict[str, BlockWeight]]:
+        model = self.model
+        return model.norm, model.lm_head if model.lm_head is not None else TiedHead(model.embed_tokens.weight), \
+            self.blocks
+
+
+class _Graph:
+    """Nodes and initializers being written, with unique names. With a ``sink``, every initializer of
+    ``INLINE_BYTES`` or more goes to the external weight file as it is made (the graph holds only its place)."""
+
+    def __init__(self, sink: "ExternalWeights | None" = None) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self.sink = sink
 
     def node(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attributes) -> str:
         outputs = [outputs] if isinstance(outputs, str) else outputs
@@ -61,8 +125,20 @@ class _Graph:
         return outputs[0]
 
     def constant(self, name: str, value: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        value = np.ascontiguousarray(value)
+        if self.sink is not None and value.nbytes >= INLINE_BYTES:
+            self.initializers.append(self.sink.store(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape,
+                                                     memoryview(value.reshape(-1)).cast("B")))
+        else:
+            self.initializers.append(numpy_helper.from_array(value, name))
         return name
+
+    def add(self, tensors: list[onnx.TensorProto]) -> None:
+        """Initializers made elsewhere (``block_matmul``'s), moved to the sink like :meth:`constant`'s."""
+        for tensor in tensors:
+            if self.sink is not None and len(tensor.raw_data) >= INLINE_BYTES:
+                tensor = self.sink.store(tensor.name, tensor.data_type, tuple(tensor.dims), tensor.raw_data)
+            self.initializers.append(tensor)
 
 
 def _weight_t(module: torch.nn.Linear) -> np.ndarray:
@@ -102,7 +178,7 @@ def _projection(graph: _Graph, x: str, prefix: str, modules: list[torch.nn.Linea
         if isinstance(weight, BlockWeight):
             ahead, behind, inits = block_matmul(name, matmul, weight)
             graph.nodes += [*ahead, matmul, *behind]
-            graph.initializers += inits
+            graph.add(inits)
         else:
             graph.constant(f"{name}.weight_t", weight.astype(np.float32))
             graph.nodes.append(matmul)
@@ -115,10 +191,10 @@ def _projection(graph: _Graph, x: str, prefix: str, modules: list[torch.nn.Linea
     return outputs
 
 
-def _rotary_cache(model: Decoder, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+def _rotary_cache(inv_freq: torch.Tensor, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos / sin [P, D/2] of every position's rotary angles, computed as the torch model computes them (fp32
     angles position * theta^(-2i/D), fp32 cos / sin), so the fused graph rotates by the model's own angles."""
-    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * model.inv_freq.float()[None, :]
+    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
     return angles.cos().numpy(), angles.sin().numpy()
 
 
@@ -152,16 +228,27 @@ def fused_step_graph(model: Decoder, blocks: dict[str, BlockWeight] | None, max_
     reason = unsupported_reason(model)
     if reason:
         raise ValueError(reason)
-    c, g, blocks = model.config, _Graph(), blocks or {}
+    return write_fused_graph(LoadedWeights(model, blocks or {}), max_positions)
+
+
+def write_fused_graph(weights: StepWeights, max_positions: int, sink: "ExternalWeights | None" = None
+                      ) -> onnx.ModelProto:
+    """The fused step graph of ``weights`` (one layer read at a time); with ``sink``, its initializers are
+    written to that external weight file as they are made."""
+    reason = config_reason(weights.config)
+    if reason:
+        raise ValueError(reason)
+    c, g = weights.config, _Graph(sink)
     with torch.no_grad():
-        g.constant("model.embed_tokens.weight", model.embed_tokens.weight.detach().float().numpy())
-        cos, sin = _rotary_cache(model, max_positions)
+        g.constant("model.embed_tokens.weight", weights.embedding().detach().float().numpy())
+        cos, sin = _rotary_cache(weights.inv_freq, max_positions)
         g.constant("fused.cos_cache", cos)
         g.constant("fused.sin_cache", sin)
         x = g.node("Gather", ["model.embed_tokens.weight", "input_ids"], "fused.embedded")
         attention = _attention_preamble(g)
         residual, pending = x, None        # pending: the last sublayer's output, not yet added to the residual
-        for i, layer in enumerate(model.layers):
+        for i in range(c.num_layers):
+            layer, blocks = weights.layer(i)
             p, attn, mlp = f"layers.{i}", layer.self_attn, layer.mlp
             normed, residual = _norm(g, f"{p}.input_layernorm", layer.input_layernorm, residual, pending)
             qkv = _projection(g, normed, f"{p}.self_attn.qkv_proj", [attn.q_proj, attn.k_proj, attn.v_proj],
@@ -190,20 +277,21 @@ def fused_step_graph(model: Decoder, blocks: dict[str, BlockWeight] | None, max_
             hidden = g.node("Mul", [silu, up], f"{p}.mlp.act")
             pending = _projection(g, hidden, f"{p}.mlp.down_proj", [mlp.down_proj], [f"{p}.mlp.down_proj"],
                                   blocks)[0]
-        normed, _ = _norm(g, "norm", model.norm, residual, pending)
+            del layer, blocks
+        final_norm, head, blocks = weights.head()
+        normed, _ = _norm(g, "norm", final_norm, residual, pending)
         # only the picked tokens pay the LM head: GatherND over [B, T, H] with [B, L, 1] indices, per row
         index = g.node("Unsqueeze", ["logit_indices", g.constant("fused.ax_last", np.array([-1], np.int64))],
                        "fused.logit_index3")
         picked = g.node("GatherND", [normed, index], "fused.picked", batch_dims=1)
-        head = model.lm_head if model.lm_head is not None else _TiedHead(model.embed_tokens.weight)
         logits = _projection(g, picked, "lm_head", [head], ["lm_head"], blocks)[0]
-        if model.lm_head_token_ids is not None:
-            logits = _scatter_reduced_head(g, logits, model.lm_head_token_ids.numpy(), c.vocab_size)
+        if weights.head_token_ids is not None:
+            logits = _scatter_reduced_head(g, logits, weights.head_token_ids, c.vocab_size)
         g.node("Identity", [logits], GRAPH_OUTPUT_LOGITS)
-    return _model(g, model)
+    return _model(g, c)
 
 
-class _TiedHead(torch.nn.Module):
+class TiedHead(torch.nn.Module):
     """The LM head of a tied model: the embedding matrix, read as a linear layer's weight."""
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -256,8 +344,7 @@ def _scatter_reduced_head(graph: _Graph, logits: str, token_ids: np.ndarray, voc
     return g.node("ScatterElements", [full, index, logits], "lm_head.scattered", axis=2)
 
 
-def _model(graph: _Graph, model: Decoder) -> onnx.ModelProto:
-    c = model.config
+def _model(graph: _Graph, c: DecoderConfig) -> onnx.ModelProto:
     float_t = TensorProto.FLOAT
 
     def value(name: str, dtype: int, axes: dict[int, str], static: dict[int, int], rank: int):

@@ -226,7 +226,7 @@ def _externalise(traced: onnx.ModelProto, out_dir: Path, weights_file: str) -> o
     return shared
 
 
-def save_flavours(traced: onnx.ModelProto, out_dir: Path, trt_traced: onnx.ModelProto | None = None,
+def save_flavours(traced: onnx.ModelProto | None, out_dir: Path, trt_traced: onnx.ModelProto | None = None,
                   datacenter: bool = True, native: onnx.ModelProto | None = None,
                   fused: onnx.ModelProto | None = None) -> dict[str, Path]:
     """Write model.ort.onnx (fp32) and the TensorRT flavours the recipe's editions build from.

@@ -92,6 +92,12 @@ class ExternalWeights:
         self.handle.seek(offset)
         self.handle.write(data)
 
+    def store(self, name: str, data_type: int, dims: tuple[int, ...], data) -> TensorProto:
+        """``data`` (bytes-like) written as one tensor; the proto that points at it."""
+        tensor, offset = self.reserve(name, data_type, dims, len(data))
+        self.write(offset, data)
+        return tensor
+
     def close(self) -> None:
         self.handle.truncate(self.size)
         self.handle.close()

@@ -94,6 +94,7 @@ def export_streamed_role(recipe: Recipe, role: str, checkpoint, out: Path, step,
     from ssd_trt.export.native_graph import native_flavour
     from ssd_trt.export.onnx_export import save_flavours
     from ssd_trt.export.streamed import export_streamed
+    from ssd_trt.export.streamed_fused import export_ort_graph
     from ssd_trt.trt.engine_build import PRECISION_DTYPES
 
     spec, editions = getattr(recipe, role), editions_for(recipe.engine.tensorrt)
@@ -101,23 +102,30 @@ def export_streamed_role(recipe: Recipe, role: str, checkpoint, out: Path, step,
     step(f"parity {role} (first {spec.check_layers} layers)")
     parity = bounded_parity(checkpoint, spec.check_layers)
     step(f"export {role} (streamed)")
-    ort_graph, binding = export_streamed(checkpoint, out / role, "weights.bin", torch.float32, bits)
+    # rotary rows for every position + 1 spare, as the in-memory build writes them
+    max_positions = recipe.engine.max_context + 1
+    ort_graph, binding, form = export_ort_graph(checkpoint, out / role, bits, max_positions)
     engine_graph, native = None, None
     if editions:   # the TensorRT flavours: plain weights in the engine precision, in their own file
         dtype = getattr(torch, PRECISION_DTYPES[recipe.engine.trt_precision])
         engine_graph, _ = export_streamed(checkpoint, out / role, "weights.trt.bin", dtype)
         if RTX in editions:
             native = native_flavour(engine_graph, recipe.engine.max_context, checkpoint.config.vocab_size)
-    paths = save_flavours(ort_graph, out / role, engine_graph, datacenter=DATACENTER in editions, native=native)
+    if form == "fused":   # the TensorRT flavours read the traced graph in its own weight file
+        paths = save_flavours(engine_graph, out / role, datacenter=DATACENTER in editions, native=native,
+                              fused=ort_graph)
+    else:
+        paths = save_flavours(ort_graph, out / role, engine_graph, datacenter=DATACENTER in editions, native=native)
     del ort_graph, engine_graph, native
     release_freed_memory()
     step(f"validate {role} (first {spec.check_layers} layers)")
     checks = bounded_validation(checkpoint, spec.check_layers, bits, [tuple(s) for s in recipe.validate_shapes],
-                                min(recipe.engine.max_context, twin_capacity) if RTX in editions else None)
+                                max_positions, min(recipe.engine.max_context, twin_capacity) if RTX in editions else None)
     release_freed_memory()
     for name, result in checks.items():
         if not result["passed"]:
             raise SsdTrtError(f"{role}'s streamed {name} graph disagrees with the torch model on its first "
                               f"{spec.check_layers} layers (max abs error {result['max_abs_error']:.3g}); see {out}")
     return {"paths": paths, "parity": parity, "quantization": binding.quantization,
-            "validation": {role: checks["ort"], **({f"{role}_rtx": checks["rtx"]} if "rtx" in checks else {})}}
+            "validation": {role: {**checks["ort"], "ort_graph": form},
+                           **({f"{role}_rtx": checks["rtx"]} if "rtx" in checks else {})}}

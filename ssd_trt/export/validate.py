@@ -124,7 +124,7 @@ def validate_with_polygraphy(model: Decoder, onnx_path: Path, shapes: list[tuple
 
     The graph is checked with fp32 activations in ONNX Runtime's fused 4/8-bit MatMuls (accuracy level 1):
     what is validated is the graph (its weights and ops). Int8 activations (level 4) are a runtime kernel
-    choice, an approximation whose effect is measured on real prompts (README "4-bit weights")."""
+    choice, an approximation whose effect is measured on real prompts (docs/weights.md)."""
     import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator

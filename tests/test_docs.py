@@ -1,0 +1,45 @@
+"""The published pages: the README's results are the benchmark's own rendering of its results file (no number
+typed by hand), and every relative link in the README and docs/ leads to a file that exists."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ") and re.search(r"\d", line)]
+
+
+def test_the_readme_results_are_the_report_of_the_benchmark_results_file():
+    rendered = subprocess.run([sys.executable, "-m", "ssd_trt.bench.report", str(ROOT / "docs/bench/results.json")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    readme = (ROOT / "README.md").read_text()
+    results = readme[readme.index("## Results"):readme.index("## Documentation")]
+    rows = _table_rows(results)
+    assert len(rows) >= 3, "the README's results section has no table"
+    report_rows = set(_table_rows(rendered.stdout))
+    typed = [row for row in rows if row not in report_rows]
+    assert not typed, f"README rows not in the report of docs/bench/results.json: {typed[:2]}"
+    # and the same holds for the full page of tables
+    benchmarks = (ROOT / "docs/benchmarks.md").read_text()
+    section = benchmarks[benchmarks.index("## Latest measured results"):benchmarks.index("**Equal total cores**")]
+    typed = [row for row in _table_rows(section) if row not in report_rows]
+    assert not typed, f"docs/benchmarks.md rows not in the report: {typed[:2]}"
+
+
+def test_every_relative_link_in_the_pages_leads_to_a_file():
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
