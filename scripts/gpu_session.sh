@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one go (one NVIDIA GPU, torch + triton, no TensorRT), results under ${OUT:-gpu_results}:
-# the kernel table (gpu_check.py), the runtime check (gpu_runtime_check.py) and the gpu-marked tests.
+# the kernel table (research/gpu/gpu_check.py), the runtime check (research/gpu/gpu_runtime_check.py) and the
+# gpu-marked tests.
 # Each part has its own time limit so that a hang in one still leaves the others' results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +13,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee 
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
   2>&1 | tee -a "$OUT/device.txt"
 status=0
-timeout 180 $PY scripts/gpu_check.py --json "$OUT/gpu_check.json" --iters 30 2>&1 | tee "$OUT/gpu_check.log" || status=1
-timeout 240 $PY scripts/gpu_runtime_check.py --json "$OUT/gpu_runtime.json" 2>&1 | tee "$OUT/gpu_runtime.log" || status=1
+timeout 180 $PY research/gpu/gpu_check.py --json "$OUT/gpu_check.json" --iters 30 2>&1 | tee "$OUT/gpu_check.log" || status=1
+timeout 240 $PY research/gpu/gpu_runtime_check.py --json "$OUT/gpu_runtime.json" 2>&1 | tee "$OUT/gpu_runtime.log" || status=1
 timeout 150 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_trt_plugin.py tests/test_device_step_engine.py \
   2>&1 | tee "$OUT/pytest_gpu.log" || status=1
 echo "gpu_session: exit $status"

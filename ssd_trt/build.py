@@ -49,8 +49,9 @@ def role_tokenizer(recipe: Recipe, role: str, sources: dict, bases: tuple, targe
     draft (it reads the target's embedding); else loaded from the recipe's tokenizer source or the model's."""
     from ssd_trt.models.loading import load_tokenizer
     from ssd_trt.models.sources import resolve_source
+    from ssd_trt.export.model_kinds import model_kind
     named = getattr(recipe, role).tokenizer
-    if role == "draft" and (named == "target" or recipe.draft.kind == "eagle3"):
+    if role == "draft" and (named == "target" or model_kind(recipe, role).shares_target_tokenizer):
         return target_tokenizer       # declared shared; vocab sizes are still checked (write_tokenizer)
     return load_tokenizer(resolve_source(named, bases) if named else sources[role])
 
@@ -165,11 +166,8 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
     from ssd_trt.export.host_memory import peak_rss_bytes, release_freed_memory
     from ssd_trt.export.fused_graph import fused_step_graph, unsupported_reason
     from ssd_trt.export.native_graph import native_flavour
-    from ssd_trt.export.onnx_export import save_flavours, trace_eagle3_step_graph, trace_step_graph
-    from ssd_trt.export.parity import transformers_parity
-    from ssd_trt.export.validate import validate_eagle3_graph, validate_with_polygraphy
-    from ssd_trt.models.decoder import with_target_features
-    from ssd_trt.models.loading import load_decoder
+    from ssd_trt.export.model_kinds import model_kind
+    from ssd_trt.export.onnx_export import save_flavours
     from ssd_trt.models.sources import resolve_source, source_fingerprint
     from ssd_trt.trt.build_step import maybe_build_engines
     from ssd_trt.engines.editions import DATACENTER, RTX, editions_for
@@ -193,17 +191,15 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
     def step(name: str) -> None:
         bar.set_postfix_str(name)
 
-    feature_draft = recipe.draft.kind == "eagle3"
+    kinds = {role: model_kind(recipe, role) for role in ROLES}
     for role in ROLES:
         step(f"load {role}")
         if role in streamed:   # nothing is loaded: the checkpoint is read tensor by tensor at export
             models[role], hf_configs[role] = None, streamed[role].hf_config
-        elif role == "draft" and feature_draft:
-            models[role], hf_configs[role] = load_feature_draft(sources[role], models["target"])
-            # the target's step graph also returns the features this draft reads (issue 19, item 1)
-            models["target"] = with_target_features(models["target"], models[role].config.feature_layers)
         else:
-            models[role], hf_configs[role] = load_decoder(sources[role])
+            models[role], hf_configs[role] = kinds[role].load(sources[role], models.get("target"))
+        if role == "draft" and role not in streamed:
+            models["target"] = kinds[role].with_target(models["target"], models[role])
         if role == "draft":   # a malformed copy component fails the build, not the first request
             from ssd_trt.engines.copy_mixture import CopyMixture
             CopyMixture.from_config(hf_configs[role], where=f"{sources[role].path}/config.json")
@@ -224,14 +220,11 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
     in_memory = [role for role in ROLES if role not in streamed]
     for role in in_memory:
         step(f"parity {role}")
-        parity[role] = ({"max_abs_diff": None, "reason": "an EAGLE-3 head is no transformers model; its graph is "
-                                                         "checked against models/eagle3.py"}
-                        if role == "draft" and feature_draft else transformers_parity(models[role], sources[role]))
+        parity[role] = kinds[role].parity(models[role], sources[role])
         bar.update()
     for role in in_memory:
         step(f"export {role}")
-        # a feature draft (EAGLE-3) has its own step graph: extra per-token inputs and its hidden out
-        trace = trace_eagle3_step_graph if role == "draft" and feature_draft else trace_step_graph
+        trace = kinds[role].trace
         blocks = model_block_weights(getattr(recipe, role).weights, sources[role], models[role],
                                      keep_8bit=getattr(recipe, role).activations == "int8")
         traced = trace(models[role])
@@ -257,10 +250,10 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
         bar.update()
     for role in in_memory:
         step(f"validate {role}")
-        validate = validate_eagle3_graph if role == "draft" and feature_draft else validate_with_polygraphy
+        validate = kinds[role].validate
         shapes = [tuple(s) for s in recipe.validate_shapes]
         # the decoder graphs checked as the engine runs them: caches written in place
-        in_place = {} if validate is validate_eagle3_graph else {"in_place": True}
+        in_place = {"in_place": True} if kinds[role].validate_in_place else {}
         validation[role] = {**validate(models[role], out / role / "model.ort.onnx", shapes, **in_place),
                             "ort_graph": ort_graph[role]}
         if not validation[role]["passed"]:
@@ -344,18 +337,6 @@ def _reduced_head(model, config) -> bool:
     if model is None:     # streamed: the config says
         return config.head_vocab_size is not None
     return getattr(model, "lm_head_token_ids", None) is not None
-
-
-def load_feature_draft(source, target) -> tuple[Any, dict]:
-    """An EAGLE-3 head (released layout) for ``target``, on the target's embedding; and its config.json."""
-    from ssd_trt.models.eagle3 import load_eagle3_checkpoint
-    model = load_eagle3_checkpoint(source.path, target.config.num_layers, target.embed_tokens.weight.detach())
-    if model.config.layer.vocab_size != target.config.vocab_size or \
-            model.config.layer.hidden_size != target.config.hidden_size:
-        raise RecipeError(f"EAGLE-3 head {source.path} is for a target of vocabulary {model.config.layer.vocab_size} "
-                          f"and width {model.config.layer.hidden_size}; this target has {target.config.vocab_size} "
-                          f"and {target.config.hidden_size}")
-    return model.eval(), json.loads((Path(source.path) / "config.json").read_text())
 
 
 def decoder_config(model):

@@ -11,21 +11,25 @@ import os
 import sys
 from pathlib import Path
 
+from ssd_trt.detokenize import Detokenizer
 from ssd_trt.errors import SsdTrtError
-from ssd_trt.runtime import BACKENDS, MODES, RuntimeOptions
+from ssd_trt.decoding.settings import AR, DEFAULT_MODE, MODES, SD, SSD, Settings
+from ssd_trt.runtime import BACKENDS, RuntimeOptions
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ssd_trt.generate", description=__doc__.splitlines()[0])
     p.add_argument("build_dir", type=Path, help="a directory made by `python -m ssd_trt.build`")
     p.add_argument("--prompt", required=True, help="prompt text, tokenized as-is unless --chat")
-    p.add_argument("--mode", default="ar", choices=MODES, help="ar | sd (speculative) | ssd (Saguaro)")
+    p.add_argument("--mode", default=DEFAULT_MODE, choices=MODES,
+                   help=f"ar | sd (speculative) | ssd (Saguaro); default {DEFAULT_MODE}")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--draft-len", type=int, default=None, help="K, draft tokens per round (sd/ssd)")
+    p.add_argument("--draft-len", type=int, default=None,
+                   help="K, draft tokens per round (sd/ssd); default: the build's, tuned for greedy or sampled")
     p.add_argument("--tree-widths", default=None, help="sd: verify a token tree, e.g. 2,2,1 children per depth")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of streaming")
@@ -39,19 +43,15 @@ class TextPrinter:
     """An ``on_tokens`` callback that prints one row's text to stdout as its tokens are committed."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.tokens, self.printed = tokenizer, [], 0
+        self.detokenizer = Detokenizer.of(tokenizer)
 
     def __call__(self, row: int, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):   # wait for the rest of a multi-byte character
-            sys.stdout.write(text[self.printed:])
-            sys.stdout.flush()
-            self.printed = len(text)
+        sys.stdout.write(self.detokenizer.push(tokens))
+        sys.stdout.flush()
 
     def finish(self, text: str) -> None:
         """Print what is left of the final text, and a newline."""
-        sys.stdout.write(text[self.printed:] + "\n")
+        sys.stdout.write(self.detokenizer.finish(text) + "\n")
         sys.stdout.flush()
 
 
@@ -65,17 +65,28 @@ def parse_widths(text: str | None) -> tuple[int, ...] | None:
         raise RequestError(f"--tree-widths must be comma-separated integers such as 2,2,1; got {text!r}") from None
 
 
+def mode_settings(mode: str, draft_len: int | None, tree_widths: tuple[int, ...] | None) -> Settings:
+    """The request's settings object from the command line's flags (each flag refused where it means nothing)."""
+    from ssd_trt.errors import RequestError
+    if tree_widths is not None and mode != "sd":
+        raise RequestError(f"--tree-widths verifies a token tree in --mode sd; --mode {mode} has no such tree")
+    if mode == "ar":
+        if draft_len is not None:
+            raise RequestError("--draft-len sets K for --mode sd or ssd; --mode ar drafts nothing")
+        return AR()
+    return SD(draft_len, tree_widths) if mode == "sd" else SSD(draft_len=draft_len)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         import ssd_trt
         params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        generator = ssd_trt.load(args.build_dir, RuntimeOptions(draft_len=args.draft_len,
-                                                                tree_widths=parse_widths(args.tree_widths),
-                                                                backend=args.backend))
+        settings = mode_settings(args.mode, args.draft_len, parse_widths(args.tree_widths))
+        generator = ssd_trt.load(args.build_dir, RuntimeOptions(backend=args.backend))
         printer = TextPrinter(generator.tokenizer)
-        [result] = generator.generate(args.prompt, params, mode=args.mode, chat=args.chat,
+        [result] = generator.generate(args.prompt, params, mode=settings, chat=args.chat,
                                       on_tokens=None if args.json else printer)
     except SsdTrtError as error:
         print(f"ssd_trt.generate: error: {error}", file=sys.stderr)

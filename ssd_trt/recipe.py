@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ssd_trt.engines.limits import MAX_DRAFT_LEN, EngineLimits
+from ssd_trt.decoding.settings import min_fan_out_budget, ssd_tree_tokens
 from ssd_trt.errors import RecipeError
 
 
@@ -105,11 +106,6 @@ class EngineRecipe(EngineLimits):
         return value
 
 
-def ssd_tree_tokens(draft_len: int, fan_out_budget: int) -> int:
-    """Tokens in the SSD draft's largest tree step: K+1 glue tokens and K tokens for each of B branches."""
-    return draft_len + 1 + draft_len * fan_out_budget
-
-
 class DecodingDefaults(BaseModel):
     """What a request gets unless it sets its own; tuned per model pair (docs/recipes.md, "Tuning the defaults")."""
     model_config = ConfigDict(extra="forbid")
@@ -136,9 +132,10 @@ class Recipe(BaseModel):
             if getattr(d, name) > e.max_draft_len:
                 raise ValueError(f"decoding.{name} ({getattr(d, name)}) exceeds engine.max_draft_len "
                                  f"({e.max_draft_len}); lower it or raise the limit")
-        if d.ssd_fan_out_budget < d.ssd_draft_len + 1:
+        if d.ssd_fan_out_budget < min_fan_out_budget(d.ssd_draft_len):
             raise ValueError(f"decoding.ssd_fan_out_budget ({d.ssd_fan_out_budget}) must be at least "
-                             f"decoding.ssd_draft_len + 1 ({d.ssd_draft_len + 1}): one guess per acceptance length")
+                             f"decoding.ssd_draft_len + 1 ({min_fan_out_budget(d.ssd_draft_len)}): one guess per "
+                             f"acceptance length")
         tree = ssd_tree_tokens(d.ssd_draft_len, d.ssd_fan_out_budget)
         if tree > e.max_tree_size:
             raise ValueError(f"an SSD tree step with decoding.ssd_draft_len {d.ssd_draft_len} and "

@@ -1,10 +1,12 @@
 """Load a build directory and generate: the public runtime API.
 
     gen = ssd_trt.load("build/smollm2-135m")
-    [result] = gen.generate(["Hello"], SamplingParams(max_new_tokens=32), mode="ssd")
+    [result] = gen.generate(["Hello"], SamplingParams(max_new_tokens=32), mode=SSD(draft_len=2))
 
 The Generator loads (manifest, tokenizer, engines on first use), encodes, validates and dispatches to a
-decoding mode (``decoding/modes.py``); what each mode does lives in its own module.
+decoding mode (``decoding/modes.py``); what each mode does lives in its own module. A request's decoding
+settings (``decoding/settings.py``: AR, SD, SSD, or a mode's name) come with each call; where the models run
+(``RuntimeOptions``) is fixed at load.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from ssd_trt.decoding.batch import Sequences, TokenCallback
-from ssd_trt.decoding.mode import Plan
-from ssd_trt.decoding.modes import DEFAULT_MODE, MODES, mode_named
+from ssd_trt.decoding.mode import ResolvedMode
+from ssd_trt.decoding.modes import strategy_for
 from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, Settings
 from ssd_trt.engines.affinity import pinned
 from ssd_trt.engines.factory import EngineSet
 from ssd_trt.errors import ArtifactError, Cancelled, EngineError, SsdTrtError
@@ -25,7 +28,7 @@ from ssd_trt.manifest import ROLES, read_manifest, verify_artifacts
 from ssd_trt.options import BACKENDS, RuntimeOptions
 from ssd_trt.requests import check_request, encode_prompt
 
-__all__ = ["BACKENDS", "MODES", "GenerationResult", "Generator", "RuntimeOptions", "load"]
+__all__ = ["BACKENDS", "DEFAULT_MODE", "MODES", "GenerationResult", "Generator", "RuntimeOptions", "load"]
 
 
 @dataclass
@@ -66,24 +69,27 @@ class Generator:
             return self.manifest.recipe.decoding
         return tuned.for_params(params is None or params.greedy)
 
-    def plan(self, mode: str, params: SamplingParams | None = None) -> Plan:
-        """What ``mode`` will do for a request with ``params`` (greedy when None) under these options and the
-        build's decoding defaults."""
-        return mode_named(mode).plan(self.options, self.decoding_defaults(params))
+    def resolve(self, mode: "str | Settings" = DEFAULT_MODE, params: SamplingParams | None = None) -> ResolvedMode:
+        """What ``mode`` (a name, or an AR / SD / SSD settings object) will do for a request with ``params``
+        (greedy when None): its unset K and fan-out budget from the build's defaults for that regime."""
+        strategy, settings = strategy_for(mode)
+        return strategy.resolve(settings, self.decoding_defaults(params))
 
     def encode(self, prompt: str | bytes, chat: bool = False) -> list[int]:
         """Token ids of one prompt: text, or UTF-8 bytes. Invalid UTF-8 is refused, never guessed at."""
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def check_request(self, prompt_ids: list[list[int]], params: SamplingParams, mode: str
-                      ) -> tuple[list[list[int]], Plan]:
-        """Refuse a request the engines could not run (RequestError); the prompts as int lists, and the plan."""
-        plan = self.plan(mode, params)
+    def check_request(self, prompt_ids: list[list[int]], params: SamplingParams, mode: "str | Settings"
+                      ) -> tuple[list[list[int]], ResolvedMode]:
+        """Refuse a request the engines could not run (RequestError); the prompts as int lists, and the mode
+        resolved."""
+        # (bad params are refused by check_request, with the request's other checks)
+        resolved = self.resolve(mode, params if isinstance(params, SamplingParams) else None)
         vocab = self.manifest.model("target").config.vocab_size
-        return check_request(self.limits, vocab, prompt_ids, params, mode, plan), plan
+        return check_request(self.limits, vocab, prompt_ids, params, resolved), resolved
 
     def generate(self, prompts: str | bytes | Sequence[str | bytes], params: SamplingParams | None = None,
-                 mode: str = DEFAULT_MODE, chat: bool = False,
+                 mode: "str | Settings" = DEFAULT_MODE, chat: bool = False,
                  on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
         """Generate for a batch of prompts. ``on_tokens(row, new_ids)`` streams committed tokens; it may
         raise :class:`ssd_trt.errors.Cancelled` to stop the request (see :meth:`generate_ids`)."""
@@ -91,7 +97,7 @@ class Generator:
         return self.generate_ids([self.encode(p, chat) for p in prompts], params, mode, on_tokens)
 
     def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams | None = None,
-                     mode: str = DEFAULT_MODE,
+                     mode: "str | Settings" = DEFAULT_MODE,
                      on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
         """Generate from token ids. Every request, however it ends, leaves no KV slot held.
 
@@ -100,24 +106,24 @@ class Generator:
         raises :class:`EngineError` naming the cause (the engines remain usable for the next request).
         """
         params = SamplingParams() if params is None else params
-        strategy = mode_named(mode)
-        prompt_ids, plan = self.check_request(prompt_ids, params, mode)
+        prompt_ids, resolved = self.check_request(prompt_ids, params, mode)
+        strategy, _ = strategy_for(resolved.settings)
         engines = {role: self.engines.get(role) for role in strategy.roles}   # opened before TTFT starts
         failures: list[BaseException] = []
         seqs = Sequences(params, self.eos_ids, len(prompt_ids), _guarded(on_tokens, failures) if on_tokens else None)
         stats: dict = {}
         try:
             with pinned(self.options.target_cores):
-                stats = strategy.run(engines, prompt_ids, seqs, np.random.default_rng(params.seed), plan,
+                stats = strategy.run(engines, prompt_ids, seqs, np.random.default_rng(params.seed), resolved,
                                      self.engines.placements)
         except Cancelled:
-            stats = {"mode": mode, "cancelled": True}
+            stats = {"mode": resolved.name, "cancelled": True}
         except SsdTrtError:
             raise
         except Exception as exc:
             if failures and exc is failures[-1]:
                 raise                      # the caller's own callback failed: its exception, unchanged
-            raise EngineError(f"{mode} generation failed: {type(exc).__name__}: {exc}; nothing was returned "
+            raise EngineError(f"{resolved.name} generation failed: {type(exc).__name__}: {exc}; nothing was returned "
                               f"for this request, the engines are ready for the next one") from exc
         finally:
             self.engines.free_slots()

@@ -8,7 +8,7 @@ after one untimed request per mode (opening the engines is not decoding), so a s
 touches every point alike; a point's speed is its best round (noise only ever slows a run down).
 The fastest point of each regime goes into the manifest (``tuned_decoding``), with every point measured and
 AR on the same prompts; ``generate``, the Python API and the Triton model then use the regime's winner for any
-request that does not set K or B (``Generator.plan``). A rebuild drops the tuning (its manifest is new):
+request that does not set K or B (``Generator.resolve``). A rebuild drops the tuning (its manifest is new):
 ``--if-missing`` tunes only a build that has none.
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import datetime
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,7 +24,7 @@ from tqdm import tqdm
 import ssd_trt
 from ssd_trt.bench.prompts import TUNING_PROMPTS, load_prompts
 from ssd_trt.bench.settings import PRESETS
-from ssd_trt.decoding.saguaro import SaguaroConfig
+from ssd_trt.decoding.settings import AR, SD, SSD, Settings, min_fan_out_budget, ssd_tree_tokens
 from ssd_trt.errors import SsdTrtError
 from ssd_trt.manifest import TunedDecoding, read_manifest, write_manifest
 from ssd_trt.recipe import DecodingDefaults
@@ -39,41 +38,39 @@ def grid(sd_ks: list[int], ssd_ks: list[int], budgets: list[int], limits) -> lis
     K+1 (fewer guesses than acceptance outcomes) is raised to K+1 and duplicates dropped."""
     points: list[tuple] = [("ar",)] + [("sd", k) for k in sd_ks if k <= limits.max_draft_len]
     for k in [k for k in ssd_ks if k <= limits.max_draft_len]:
-        for b in sorted({max(b, k + 1) for b in budgets}):
-            if SaguaroConfig(draft_len=k, fan_out_budget=b).tree_tokens <= limits.max_tree_size:
+        for b in sorted({max(b, min_fan_out_budget(k)) for b in budgets}):
+            if ssd_tree_tokens(k, b) <= limits.max_tree_size:
                 points.append(("ssd", k, b))
     return points
 
 
-def _options(generator, point: tuple):
+def settings_of(point: tuple) -> Settings:
     if point[0] == "ssd":
-        return replace(generator.options, draft_len=point[1], ssd={"fan_out_budget": point[2]})
-    return replace(generator.options, draft_len=point[1] if point[0] == "sd" else None, ssd={})
+        return SSD(draft_len=point[1], fan_out_budget=point[2])
+    return SD(draft_len=point[1]) if point[0] == "sd" else AR()
 
 
 def measure(generator, points: list[tuple], prompts: list[list[int]], presets: list, max_new_tokens: int,
             rounds: int) -> dict[tuple, float]:
-    """tokens/s of each point (total tokens / total seconds over the prompts and presets), best of ``rounds``."""
-    default = generator.options
+    """tokens/s of each point (total tokens / total seconds over the prompts and presets), best of ``rounds``;
+    one loaded build, each point's settings passed per call."""
     for mode in sorted({point[0] for point in points}):   # open every engine and see every shape once, untimed
-        generator.options = _options(generator, next(p for p in points if p[0] == mode))
-        generator.generate_ids(prompts[:1], presets[0].params(max_new_tokens), mode=mode)
+        generator.generate_ids(prompts[:1], presets[0].params(max_new_tokens),
+                               mode=settings_of(next(p for p in points if p[0] == mode)))
     best: dict[tuple, float] = {}
     with tqdm(total=rounds * len(points), desc="tune", unit="point") as bar:
         for _ in range(rounds):
             for point in points:
-                generator.options = _options(generator, point)
                 tokens, seconds = 0, 0.0
                 for preset in presets:
                     params = preset.params(max_new_tokens)
                     for ids in prompts:
                         start = time.perf_counter()
-                        [result] = generator.generate_ids([ids], params, mode=point[0])
+                        [result] = generator.generate_ids([ids], params, mode=settings_of(point))
                         seconds += time.perf_counter() - start
                         tokens += len(result.token_ids)
                 best[point] = max(best.get(point, 0.0), tokens / seconds)
                 bar.update()
-    generator.options = default
     return best
 
 
@@ -107,6 +104,7 @@ def tune(build_dir: Path, prompts_file: Path = TUNING_PROMPTS, prompts: int = 4,
         **measured})
     manifest = read_manifest(build_dir)
     write_manifest(build_dir, manifest.model_copy(update={"tuned_decoding": tuned}))
+    (build_dir / PLOT_NAME).unlink(missing_ok=True)     # an earlier tuning's plot must not pass for this one's
     plot_tuning(tuned.measurement, build_dir / PLOT_NAME)
     return tuned
 
@@ -160,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({best[('ssd', d.ssd_draft_len, d.ssd_fan_out_budget)]:.2f}x AR)   AR {m['ar_tokens_per_s']:.1f} tok/s")
     plot = args.build_dir / PLOT_NAME
     print(f"recorded in {args.build_dir / 'manifest.json'} (tuned_decoding)"
-          + (f"; every point plotted in {plot}" if plot.exists() else ""))
+          + (f"; every point plotted in {plot}" if plot.exists() else
+             "; no plot: matplotlib is not installed (pip install -e '.[plots]')"))
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 import json
 from pathlib import Path
 from types import ModuleType
@@ -131,9 +132,10 @@ def write_recipe(path: Path, target: Path, draft: Path, name: str = "tiny", deco
 
 
 def load_script(path: Path) -> ModuleType:
-    """A script under scripts/ (not a package) imported as a module, so tests can call its functions."""
+    """A script (research/<topic>/*.py, not a package) imported as a module, so tests can call its functions."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module        # registered first: a dataclass in it looks its module up there
     spec.loader.exec_module(module)
     return module
 

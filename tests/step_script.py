@@ -3,7 +3,7 @@
 Two engines built from the same network must return the same logits for it: a ragged prefill, greedy
 decodes, a verify chunk, a rollback in which the rows reject different numbers of tokens, a tree step
 under a tree mask, ``keep`` (compacting one row's accepted tree path) and a decode that reads the kept
-path. The tests run it to check a backend against ONNX Runtime; ``scripts/gpu_runtime_check.py`` runs
+path. The tests run it to check a backend against ONNX Runtime; ``research/gpu/gpu_runtime_check.py`` runs
 it to check the GPU engine (CUDA graphs, Triton kernel) against CPU reference math.
 """
 from __future__ import annotations

@@ -4,11 +4,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# run first in a child Python, every `import matplotlib` after it fails as if matplotlib were not installed
+NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; "
 
 
 def prompts_file(path: Path, words: list[str]) -> Path:
@@ -17,8 +20,9 @@ def prompts_file(path: Path, words: list[str]) -> Path:
     return path
 
 
-def bench(build: Path, tmp_path: Path, measured: Path, tuning: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ssd_trt.bench", str(build), "--prompts", str(measured),
+def bench(build: Path, tmp_path: Path, measured: Path, tuning: Path, *extra: str,
+          launch: tuple[str, ...] = ("-m", "ssd_trt.bench")) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *launch, str(build), "--prompts", str(measured),
                            "--tuning-prompts", str(tuning), "--settings", "paper", "--baselines", "none",
                            "--max-new-tokens", "6", "--sd-k", "1,2", "--ssd-k", "1,2", "--ssd-budget", "2,3",
                            "--sweep-prompts", "1", "--out", str(tmp_path / "out"), *extra],
@@ -98,3 +102,37 @@ def test_other_builds_of_the_same_target_run_ar_side_by_side(tiny_pairs, tmp_pat
     other = build(write_recipe(tmp_path / "other.yaml", other_target, other_target, name="tiny-other"), root=tmp_path)
     refused = bench(tiny_pairs["perturbed"], tmp_path, measured, tuning, "--ar-builds", f"other={other}")
     assert refused.returncode == 2 and "is built from another target" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_matplotlib_is_an_optional_extra_only_the_plots_module_needs():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("matplotlib")]
+    assert [d for d in project["optional-dependencies"]["plots"] if d.startswith("matplotlib")]
+    # every module of the package imports without it, except the plots themselves
+    probe = NO_MATPLOTLIB + """
+import importlib, pkgutil, ssd_trt
+for module in pkgutil.walk_packages(ssd_trt.__path__, "ssd_trt."):
+    if module.name != "ssd_trt.__main__":      # the command-line dispatcher runs when imported
+        try:
+            importlib.import_module(module.name)
+        except ImportError as error:
+            if "matplotlib" in str(error):
+                print(module.name)
+"""
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["ssd_trt.bench.plots"]
+
+
+def test_without_matplotlib_the_bench_measures_and_says_the_plots_need_the_extra(tiny_pairs, tmp_path):
+    measured = prompts_file(tmp_path / "measured.jsonl", ["w1 w2 w3"])
+    tuning = prompts_file(tmp_path / "tuning.jsonl", ["w7 w8 w9"])
+    result = bench(tiny_pairs["perturbed"], tmp_path, measured, tuning, "--sampling", "greedy",
+                   launch=("-c", NO_MATPLOTLIB + "from ssd_trt.bench.__main__ import main; sys.exit(main())"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if "pip install -e '.[plots]'" in line] == \
+        ["ssd_trt.bench: matplotlib is not installed, so no plots (pip install -e '.[plots]')"]
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(report["presets"]["greedy"]["settings"]["paper-style"]["summary"]) == {"ar", "sd", "ssd"}
+    assert not list((tmp_path / "out").glob("*.png"))
+    assert "and plots" not in result.stdout

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ssd_trt.decoding.backup import lookup_followers
-from ssd_trt.engines.copy_mixture import longest_match
+from ssd_trt.ngram import longest_match, lookup_followers
 from ssd_trt.engines.feeding import feed_rows
 from ssd_trt.decoding.sampling import softmax
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine
@@ -100,7 +99,8 @@ def wrapped_engines():
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_sampling_with_the_copy_component_is_lossless(mode):
-    from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
+    from ssd_trt.decoding.saguaro import generate_saguaro
+    from ssd_trt.decoding.settings import SSD
     from ssd_trt.decoding.speculative import generate_speculative
 
     def strategy(seqs, rng):
@@ -108,7 +108,7 @@ def test_sampling_with_the_copy_component_is_lossless(mode):
         if mode == "sd":
             return generate_speculative(target, draft, [PROMPT] * ROWS, seqs, rng, draft_len=2)
         return generate_saguaro(target, draft, [PROMPT] * ROWS, seqs, rng,
-                                SaguaroConfig(draft_len=2, fan_out_budget=4, backup="jit"))
+                                SSD(draft_len=2, fan_out_budget=4, backup="jit"))
     assert_lossless(strategy, 1.0)
 
 
@@ -155,16 +155,15 @@ def test_a_failing_draft_under_the_copy_component_still_finishes_exactly(tiny_pa
     """The wrapper passes the failure on (it never hides or garbles it): SSD finishes target-only."""
     import ssd_trt
     from ssd_trt.decoding.params import SamplingParams
-    from ssd_trt.runtime import RuntimeOptions
     from tests.test_faults import FaultyEngine
 
-    gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=2))
+    gen = ssd_trt.load(tiny_pairs["perturbed"])
     gen.engines.copy_mixture = STRONG
     prompts, params = [[5, 9, 5, 9, 5], [1, 2, 3, 1, 2, 3, 1]], SamplingParams(max_new_tokens=24, temperature=0.0)
     want = [r.token_ids for r in gen.generate_ids(prompts, params, mode="ar")]
     wrapped = gen.engine("draft")
     wrapped.inner = FaultyEngine(wrapped.inner, fault, at=3)
-    results = gen.generate_ids(prompts, params, mode="ssd")
+    results = gen.generate_ids(prompts, params, mode=ssd_trt.SSD(draft_len=2))
     assert [r.token_ids for r in results] == want
     if fault != "nan":   # NaN logits are not an error the runtime detects: they only draft tokens that get rejected
         assert results[0].stats["draft_failures"], "the injected fault went unreported"

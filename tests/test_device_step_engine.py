@@ -15,7 +15,8 @@ import ssd_trt
 from ssd_trt.decoding.autoregressive import generate_autoregressive
 from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
+from ssd_trt.decoding.saguaro import generate_saguaro
+from ssd_trt.decoding.settings import SSD
 from ssd_trt.decoding.speculative import generate_speculative
 from tests.step_script import step_script
 from ssd_trt.engines.torch_device import TorchDeviceEngine
@@ -47,7 +48,7 @@ def greedy_runs(target, draft, prompts, new_tokens: int) -> dict[str, list[list[
         elif mode == "sd":
             generate_speculative(target, draft, prompts, seqs, rng, draft_len=3)
         else:
-            generate_saguaro(target, draft, prompts, seqs, rng, SaguaroConfig(draft_len=3, fan_out_budget=8))
+            generate_saguaro(target, draft, prompts, seqs, rng, SSD(draft_len=3, fan_out_budget=8))
         outputs[mode] = seqs.tokens
     return outputs
 

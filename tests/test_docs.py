@@ -1,5 +1,6 @@
 """The published pages: the README's results are the benchmark's own rendering of its results file (no number
-typed by hand), and every relative link in the README and docs/ leads to a file that exists."""
+typed by hand), every relative link in the README and docs/ leads to a file that exists, and every artifact
+kept under docs/ is cited by a page."""
 from __future__ import annotations
 
 import re
@@ -10,6 +11,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+CARDS = sorted((ROOT / "recipes" / "drafts").glob("*/README.md"))     # model cards cite artifacts too
+# a mention of something under docs/bench, from the repository root, from docs/ or through ../: a file, a folder
+# (trailing slash) or a glob (`docs/bench/*.png`)
+MENTION = re.compile(r"(?<![\w./-])(?:\.\./)*(?:docs/)?(bench/[\w.*/-]*[\w*/])")
 
 
 def _table_rows(text: str) -> list[str]:
@@ -43,3 +48,20 @@ def test_every_relative_link_in_the_pages_leads_to_a_file():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def _cites(mention: str, artifact: str) -> bool:
+    """Whether a page's mention (relative to docs/) names the artifact: its path, a folder it is in (not
+    bench/ itself), or a glob whose * stays within one folder."""
+    if "*" in mention:
+        return re.fullmatch(re.escape(mention).replace(r"\*", "[^/]*"), artifact) is not None
+    folder = mention.rstrip("/")
+    return artifact == mention or (folder != "bench" and artifact.startswith(folder + "/"))
+
+
+def test_every_artifact_under_docs_is_cited_by_a_page():
+    mentions = {m for page in [*PAGES, *CARDS] for m in MENTION.findall(page.read_text())}
+    artifacts = [path.relative_to(ROOT / "docs").as_posix() for path in sorted((ROOT / "docs").rglob("*"))
+                 if path.is_file() and path not in PAGES]
+    orphans = [f"docs/{artifact}" for artifact in artifacts if not any(_cites(m, artifact) for m in mentions)]
+    assert not orphans, f"artifacts no page cites (cite them, or move them to research/): {orphans}"

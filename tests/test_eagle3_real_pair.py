@@ -18,15 +18,14 @@ import pytest
 import yaml
 
 import ssd_trt
-from ssd_trt.runtime import RuntimeOptions
+from ssd_trt import SD, SSD
 from tests.sampling_reference import reference_probs
 from tests.test_sampling_lossless_ort import check, draw
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS, CALLS, LENGTH = 64, 16, 3
 PARAMS = dict(temperature=1.0, top_k=3)
-CASES = {"sd": RuntimeOptions(draft_len=2),
-         "ssd": RuntimeOptions(draft_len=1, ssd={"backup": "jit", "fan_out_budget": 4})}
+CASES = {"sd": SD(draft_len=2), "ssd": SSD(draft_len=1, backup="jit", fan_out_budget=4)}
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +65,13 @@ def test_sd_and_ssd_with_the_real_feature_pair_follow_the_target_distribution(re
     prompt = gen.encode("The capital of France is")
     joint = exact_tokens(real_feature_pair, prompt, ssd_trt.SamplingParams(max_new_tokens=LENGTH, **PARAMS))
     assert len(joint) == 27 and max(joint.values()) < 0.5, sorted(joint.values())[-3:]
-    for mode, options in CASES.items():
-        samples, stats = draw(real_feature_pair, mode, PARAMS, options, length=LENGTH, prompt=prompt,
-                              rows=ROWS, calls=CALLS)
+    for mode, settings in CASES.items():
+        samples, stats = draw(real_feature_pair, settings, PARAMS, length=LENGTH, prompt=prompt, rows=ROWS,
+                              calls=CALLS)
         for what, tv, threshold in check(joint, samples):
             assert tv < threshold, f"{mode} {what}: TV {tv:.4f} >= {threshold:.4f}"
         accepted = np.mean([s["mean_accepted"] for s in stats])
-        assert 0.05 < accepted < options.draft_len, (mode, accepted)
+        assert 0.05 < accepted < settings.draft_len, (mode, accepted)
         if mode == "ssd":
             rates = [s["cache_hit_rate"] for s in stats if s["cache_hit_rate"] is not None]
             assert rates and 0 < np.mean(rates), rates

@@ -53,8 +53,8 @@ def test_ssd_cache_hit_rate_is_at_least_070_at_temperature_0(smollm2_build):
     """At the build's defaults (K, fan-out budget from the recipe's ``decoding``), pooled over the rounds of
     the whole prompt set at 64 new tokens (~3800 rounds: the hit rate's standard error ~0.007; on 50
     prompts x 16 tokens, ~400 rounds, it is ~0.02, as wide as the margin). docs/benchmarks.md, "SSD cache hit rate"."""
-    from ssd_trt.bench.settings import PAPER_STYLE      # target core 0, draft core 1, as scripts/measure_hit_rate.py
-    gen = ssd_trt.load(smollm2_build, PAPER_STYLE.options("ssd", None))
+    from ssd_trt.bench.settings import PAPER_STYLE      # target core 0, draft core 1, as research/draft/measure_hit_rate.py
+    gen = ssd_trt.load(smollm2_build, PAPER_STYLE.options("ssd"))
     params = ssd_trt.SamplingParams(max_new_tokens=64)
     stats = [gen.generate_ids([gen.encode(p.prompt, chat=True)], params, mode="ssd")[0].stats
              for p in round_robin(108)]

@@ -15,20 +15,24 @@ import pytest
 import ssd_trt
 from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
+from ssd_trt.decoding.saguaro import generate_saguaro
+from ssd_trt.decoding.settings import AR, SD, SSD
+from ssd_trt.engines.base import FeatureIO
 from ssd_trt.errors import Cancelled, EngineError
 from ssd_trt.runtime import RuntimeOptions
 
 PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 3], [1, 42, 42, 42, 42, 8, 19], [1, 250]]
 GREEDY = SamplingParams(max_new_tokens=24, stop_on_eos=False)
 K = 3
+AT_K = {"ar": AR(), "sd": SD(draft_len=K), "ssd": SSD(draft_len=K)}   # every mode at the K these tests use
+SD_K, SSD_K = AT_K["sd"], AT_K["ssd"]
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
-class FaultyEngine:
+class FaultyEngine(FeatureIO):
     """A real engine that misbehaves from forward call number ``at`` (0-based) on (``once``: only then).
 
     crash: raises | hang: sleeps ``hang_s`` then answers | garbage: random logits | nan: NaN logits |
@@ -45,6 +49,13 @@ class FaultyEngine:
     @property
     def spec(self):
         return self.inner.spec
+
+    @property
+    def takes_target_features(self) -> bool:
+        return self.inner.takes_target_features
+
+    def receive_target_features(self, row, first, features) -> None:
+        self.inner.receive_target_features(row, first, features)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -85,7 +96,7 @@ class FaultyEngine:
 @pytest.fixture(scope="module")
 def gen(tiny_pairs):
     """A generator on the perturbed pair (partial acceptance: hits, misses and backups all happen)."""
-    return ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=K, draft_timeout_s=0.3))
+    return ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_timeout_s=0.3))
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +146,7 @@ DRAFT_FAULTS = [("reset", 0), ("crash", 0), ("crash", 2), ("crash", K + 1), ("cr
 @pytest.mark.parametrize("fault,at", DRAFT_FAULTS)
 def test_failing_draft_gives_autoregressive_output_and_is_logged(gen, reference, inject, fault, at):
     draft = inject("draft", fault, at=at, once=fault == "hang")
-    results = gen.generate_ids(PROMPTS, GREEDY, mode="ssd")
+    results = gen.generate_ids(PROMPTS, GREEDY, mode=SSD_K)
     assert [r.token_ids for r in results] == reference
     stats = results[0].stats
     assert stats["fallback"] == "autoregressive (draft failed)"
@@ -149,18 +160,15 @@ def test_failing_draft_gives_autoregressive_output_and_is_logged(gen, reference,
 @pytest.mark.parametrize("fault", ["garbage", "nan"])
 def test_draft_talking_garbage_cannot_change_greedy_output(gen, reference, inject, fault):
     inject("draft", fault, at=K + 1)
-    results = gen.generate_ids(PROMPTS, GREEDY, mode="ssd")
+    results = gen.generate_ids(PROMPTS, GREEDY, mode=SSD_K)
     assert [r.token_ids for r in results] == reference
     assert_no_slots_held(gen)
 
 
 def test_draft_proposing_token_ids_outside_the_vocabulary_is_refused_in_tree_rounds(gen, reference, inject):
     inject("draft", "wide", at=TREE_LAST, once=True)   # only the last tree step's (unfed) draws
-    gen.options.ssd["backup"] = "ngram"                # misses use prompt lookup, never the draft
-    try:
-        results = gen.generate_ids(PROMPTS, GREEDY, mode="ssd")
-    finally:
-        del gen.options.ssd["backup"]
+    # misses use prompt lookup, never the draft
+    results = gen.generate_ids(PROMPTS, GREEDY, mode=SSD(draft_len=K, backup="ngram"))
     assert [r.token_ids for r in results] == reference
     assert "malformed cache entry" in results[0].stats["draft_failures"][0]
 
@@ -168,7 +176,7 @@ def test_draft_proposing_token_ids_outside_the_vocabulary_is_refused_in_tree_rou
 def test_draft_proposing_token_ids_outside_the_vocabulary_in_a_jit_speculation_falls_back(gen, reference,
                                                                                            inject):
     inject("draft", "wide", at=JIT_LAST, once=True)    # only the last (unfed) draw of the first jit
-    results = gen.generate_ids(PROMPTS, GREEDY, mode="ssd")
+    results = gen.generate_ids(PROMPTS, GREEDY, mode=SSD_K)
     assert [r.token_ids for r in results] == reference
     assert results[0].stats["draft_failures"]
 
@@ -176,7 +184,7 @@ def test_draft_proposing_token_ids_outside_the_vocabulary_in_a_jit_speculation_f
 def test_a_hung_draft_times_out_within_the_deadline(gen, reference, inject):
     inject("draft", "hang", at=K + 1, once=True, hang_s=1.0)
     started = time.perf_counter()
-    results = gen.generate_ids(PROMPTS, GREEDY, mode="ssd")
+    results = gen.generate_ids(PROMPTS, GREEDY, mode=SSD_K)
     assert [r.token_ids for r in results] == reference
     assert "TimeoutError" in results[0].stats["draft_failures"][0]
     assert time.perf_counter() - started < 1.0 + 3.0      # timeout 0.3 s + the hung call + AR tail
@@ -185,7 +193,7 @@ def test_a_hung_draft_times_out_within_the_deadline(gen, reference, inject):
 def test_a_draft_hung_for_long_does_not_hold_the_request(gen, reference, inject):
     inject("draft", "hang", at=K + 1, once=True, hang_s=4.0)
     started = time.perf_counter()
-    results = gen.generate_ids(PROMPTS, GREEDY, mode="ssd")
+    results = gen.generate_ids(PROMPTS, GREEDY, mode=SSD_K)
     elapsed = time.perf_counter() - started
     assert [r.token_ids for r in results] == reference
     assert elapsed < 3.0, f"request took {elapsed:.1f} s with draft_timeout_s 0.3"
@@ -194,7 +202,7 @@ def test_a_draft_hung_for_long_does_not_hold_the_request(gen, reference, inject)
 def test_draft_failure_in_plain_speculative_mode_fails_the_request_cleanly(gen, reference, inject):
     inject("draft", "crash", at=2)
     with pytest.raises(EngineError, match="sd generation failed: InjectedFault: injected crash"):
-        gen.generate_ids(PROMPTS, GREEDY, mode="sd")
+        gen.generate_ids(PROMPTS, GREEDY, mode=SD_K)
     assert_no_slots_held(gen)
 
 
@@ -205,16 +213,16 @@ def test_target_failure_fails_the_request_with_its_reason(gen, reference, inject
     inject("target", "crash", at=at)
     with pytest.raises(EngineError, match=f"{mode} generation failed: InjectedFault: injected crash at "
                                           f"forward call {at}"):
-        gen.generate_ids(PROMPTS, GREEDY, mode=mode)
+        gen.generate_ids(PROMPTS, GREEDY, mode=AT_K[mode])
     assert_no_slots_held(gen)
     gen.engines.opened["target"] = gen.engines.opened["target"].inner
-    assert [r.token_ids for r in gen.generate_ids(PROMPTS, GREEDY, mode=mode)] == reference
+    assert [r.token_ids for r in gen.generate_ids(PROMPTS, GREEDY, mode=AT_K[mode])] == reference
 
 
 def test_the_draft_worker_thread_ends_with_the_request(gen, inject):
     inject("draft", "crash", at=K + 1)
     before = threading.active_count()
-    gen.generate_ids(PROMPTS, GREEDY, mode="ssd")
+    gen.generate_ids(PROMPTS, GREEDY, mode=SSD_K)
     assert threading.active_count() <= before
 
 
@@ -228,14 +236,14 @@ def test_cancelling_a_stream_returns_what_was_streamed_and_frees_the_slots(gen, 
         if sum(map(len, streamed)) >= 10:
             raise Cancelled
 
-    results = gen.generate_ids(PROMPTS, GREEDY, mode=mode, on_tokens=on_tokens)
+    results = gen.generate_ids(PROMPTS, GREEDY, mode=AT_K[mode], on_tokens=on_tokens)
     assert [r.token_ids for r in results] == streamed
     assert all(r.stats["cancelled"] for r in results)
     assert 10 <= sum(map(len, streamed)) < sum(map(len, reference))
     for row, tokens in enumerate(streamed):
         assert tokens == reference[row][:len(tokens)]           # a prefix of the full answer
     assert_no_slots_held(gen)
-    assert [r.token_ids for r in gen.generate_ids(PROMPTS, GREEDY, mode=mode)] == reference
+    assert [r.token_ids for r in gen.generate_ids(PROMPTS, GREEDY, mode=AT_K[mode])] == reference
 
 
 def test_a_failing_callback_raises_its_own_exception(gen):
@@ -243,7 +251,7 @@ def test_a_failing_callback_raises_its_own_exception(gen):
         raise KeyError("client went away")
 
     with pytest.raises(KeyError, match="client went away"):
-        gen.generate_ids(PROMPTS, GREEDY, mode="ssd", on_tokens=on_tokens)
+        gen.generate_ids(PROMPTS, GREEDY, mode=SSD_K, on_tokens=on_tokens)
     assert_no_slots_held(gen)
 
 
@@ -257,7 +265,7 @@ def test_sampling_stays_lossless_when_the_draft_fails_mid_request():
     def strategy(seqs, rng):
         draft = FaultyEngine(TrigramEngine(DRAFT, name="draft"), "crash", at=4)   # in the first tree round
         stats = generate_saguaro(TrigramEngine(TARGET, name="target"), draft, [PROMPT] * ROWS, seqs, rng,
-                                 SaguaroConfig(draft_len=2, fan_out_budget=4, backup="jit"))
+                                 SSD(draft_len=2, fan_out_budget=4, backup="jit"))
         failures.append(stats["draft_failures"])
         return stats
 
@@ -278,6 +286,6 @@ def test_fallback_matches_autoregressive_on_the_exact_model():
         seqs = Sequences(params, frozenset(), len(prompts))
         draft = FaultyEngine(TrigramEngine(random_log_table(7, seed=4)), "crash", at=at)
         stats = generate_saguaro(TrigramEngine(table), draft, prompts, seqs, np.random.default_rng(0),
-                                 SaguaroConfig(draft_len=2, fan_out_budget=4))
+                                 SSD(draft_len=2, fan_out_budget=4))
         assert seqs.tokens == ar.tokens, at
         assert stats["draft_failures"], at

@@ -25,6 +25,7 @@ from plugins.tree_attention.reference import causal_tree_mask
 from ssd_trt.decoding import speculative as speculative_module
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.engines.feature_draft import FeatureDraftEngine
+from ssd_trt import SD, SSD
 from ssd_trt.runtime import RuntimeOptions
 from tests.helpers import random_decoder, save_hf_checkpoint, tiny_config, write_recipe
 
@@ -102,14 +103,13 @@ def test_the_build_records_a_feature_pair(feature_pair):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("mode,options", [
-    ("sd", RuntimeOptions(draft_len=3)), ("sd", RuntimeOptions(draft_len=2, tree_widths=(2, 2, 1))),
-    ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8})),
-    ("ssd", RuntimeOptions(draft_len=3, ssd={"backup": "ngram", "fan_out_budget": 8}))],
+@pytest.mark.parametrize("mode", [
+    SD(draft_len=3), SD(draft_len=2, tree_widths=(2, 2, 1)), SSD(draft_len=2, backup="jit", fan_out_budget=8),
+    SSD(draft_len=3, backup="ngram", fan_out_budget=8)],
     ids=["sd-chain", "sd-tree", "ssd-jit", "ssd-ngram"])
-def test_greedy_with_a_feature_draft_equals_autoregressive(feature_pair, batch, mode, options):
+def test_greedy_with_a_feature_draft_equals_autoregressive(feature_pair, batch, mode):
     build, _, _ = feature_pair
-    gen = ssd_trt.load(build, options)
+    gen = ssd_trt.load(build)
     rounds = []
     for first in range(0, len(PROMPTS), batch):
         prompts = PROMPTS[first:first + batch]
@@ -186,9 +186,9 @@ def test_sd_proposals_are_the_drafts_with_the_targets_features_of_verified_token
                             lambda self, row, first, features: original(self, row, first,
                                                                         np.roll(features, -1, axis=0)))
     rounds = record_sd_rounds(monkeypatch)
-    gen = ssd_trt.load(build, RuntimeOptions(draft_len=3))
+    gen = ssd_trt.load(build)
     for prompt in PROMPTS[:2 if planted else 4]:
-        gen.generate_ids([prompt], SamplingParams(max_new_tokens=24, stop_on_eos=False), mode="sd")
+        gen.generate_ids([prompt], SamplingParams(max_new_tokens=24, stop_on_eos=False), mode=SD(draft_len=3))
     assert len(rounds) > (10 if planted else 20)
     mismatched = [r for r in rounds if reference_proposals(target, draft, r[0], 3) != r[1]]
     if planted:
@@ -213,12 +213,12 @@ def test_ssd_feeds_target_features_for_verified_tokens_and_its_own_otherwise(fea
 
     monkeypatch.setattr(OrtEngine, "forward", recording)
     for backup, fallbacks_expected in (("jit", False), ("ngram", True)):
-        gen = ssd_trt.load(build, RuntimeOptions(draft_len=2, ssd={"backup": backup, "fan_out_budget": 6}))
+        gen = ssd_trt.load(build)
         gen.engine("draft")                  # opened (and warmed up with a placeholder step) before recording
         fallbacks = 0
         for prompt in PROMPTS[:4]:
             steps.clear()
-            [result] = gen.generate_ids([prompt], GREEDY, mode="ssd")
+            [result] = gen.generate_ids([prompt], GREEDY, mode=SSD(draft_len=2, backup=backup, fan_out_budget=6))
             fallbacks += gen.engine("draft").fallbacks
             truth = reference_target_features(target, prompt + result.token_ids)
             kinds = set()
@@ -235,9 +235,9 @@ def test_ssd_feeds_target_features_for_verified_tokens_and_its_own_otherwise(fea
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,options", [("sd", RuntimeOptions(draft_len=3)),
-                                          ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8}))])
-def test_sampling_with_a_feature_draft_follows_the_target_distribution(feature_pair, mode, options):
+@pytest.mark.parametrize("mode", [SD(draft_len=3), SSD(draft_len=2, backup="jit", fan_out_budget=8)],
+                         ids=["sd", "ssd"])
+def test_sampling_with_a_feature_draft_follows_the_target_distribution(feature_pair, mode):
     """The first two tokens at T=1 top-k 50 through the engines vs the exact target distribution (the machinery
     and thresholds of tests/test_sampling_lossless_ort.py); the random head's flat q overlaps the target's p
     enough that proposals are accepted and rejected."""
@@ -246,20 +246,20 @@ def test_sampling_with_a_feature_draft_follows_the_target_distribution(feature_p
     params = tv.SETTINGS["t1-k50"]
     joint = tv.exact_tokens(target, SamplingParams(max_new_tokens=2, **params))
     assert len(joint) > 100
-    samples, stats = tv.draw(build, mode, params, options)
+    samples, stats = tv.draw(build, mode, params)
     for what, distance, threshold in tv.check(joint, samples):
-        assert distance < threshold, f"{mode} {what}: TV {distance:.4f} >= {threshold:.4f}"
-    assert 0.02 < np.mean([s["mean_accepted"] for s in stats]) < options.draft_len   # ~0.05: thousands of rounds
+        assert distance < threshold, f"{mode.name} {what}: TV {distance:.4f} >= {threshold:.4f}"
+    assert 0.02 < np.mean([s["mean_accepted"] for s in stats]) < mode.draft_len   # ~0.05: thousands of rounds
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("mode", [SD(draft_len=2), SSD(draft_len=2)], ids=["sd", "ssd"])
 def test_the_gpu_runtime_runs_a_feature_pair(feature_pair, mode):
     """The torch backend (DeviceStepEngine: what the GPU runtime and the TensorRT engine share; here on CPU, the
     Triton kernel interpreted) returns the target's features and feeds the draft's: greedy output == AR's."""
     from ssd_trt.engines.device_step import DeviceStepEngine
     build, _, _ = feature_pair
     reference = [r.token_ids for r in ssd_trt.load(build).generate_ids(PROMPTS[:2], GREEDY, mode="ar")]
-    gen = ssd_trt.load(build, RuntimeOptions(backend="torch", draft_len=2))
+    gen = ssd_trt.load(build, RuntimeOptions(backend="torch"))
     assert isinstance(gen.engine("draft").inner, DeviceStepEngine) and gen.engine("target").has_features
     assert [r.token_ids for r in gen.generate_ids(PROMPTS[:2], GREEDY, mode=mode)] == reference
 
@@ -280,7 +280,8 @@ def test_a_recipe_refuses_an_eagle3_draft_it_cannot_build(tmp_path):
 def test_the_copy_component_works_on_top_of_a_feature_draft(tmp_path):
     """Item 2: the copy component keeps working on a feature draft: it wraps the feature engine, moves the
     draft's distribution where a suffix recurs (and only there), and every mode stays exact."""
-    from ssd_trt.engines.copy_mixture import CopyMixtureEngine, longest_match
+    from ssd_trt.engines.copy_mixture import CopyMixtureEngine
+    from ssd_trt.ngram import longest_match
     build, _, _ = build_feature_pair(tmp_path, copy_weights=[0.9] * 4)
     with_copy, without = ssd_trt.load(build), ssd_trt.load(build, RuntimeOptions(draft_copy=False))
     draft = with_copy.engine("draft")
@@ -293,9 +294,8 @@ def test_the_copy_component_works_on_top_of_a_feature_draft(tmp_path):
         logits.append(engine.forward(ids, np.arange(ids.shape[1])[None])[0])
     moved = [not np.allclose(a, b) for a, b in zip(*logits)]
     assert moved == [longest_match(ids[0, :t + 1], 4) is not None for t in range(ids.shape[1])] and any(moved)
-    for mode, options in (("sd", RuntimeOptions(draft_len=3)),
-                          ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8}))):
-        gen = ssd_trt.load(build, options)
+    for mode in (SD(draft_len=3), SSD(draft_len=2, backup="jit", fan_out_budget=8)):
+        gen = ssd_trt.load(build)
         reference = [r.token_ids for r in gen.generate_ids(PROMPTS[:4], GREEDY, mode="ar")]
         assert [r.token_ids for r in gen.generate_ids(PROMPTS[:4], GREEDY, mode=mode)] == reference
 
@@ -308,10 +308,9 @@ def test_a_two_layer_feature_draft_builds_and_every_mode_stays_exact(tmp_path):
     manifest = read_manifest(build)
     assert draft.config.layer.num_layers == 2
     assert manifest.model("draft").config.num_layers == 2 and manifest.validation["draft"]["passed"]
-    for mode, options in (("sd", RuntimeOptions(draft_len=3)),
-                          ("sd", RuntimeOptions(draft_len=2, tree_widths=(2, 2, 1))),
-                          ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8}))):
-        gen = ssd_trt.load(build, options)
+    for mode in (SD(draft_len=3), SD(draft_len=2, tree_widths=(2, 2, 1)),
+                 SSD(draft_len=2, backup="jit", fan_out_budget=8)):
+        gen = ssd_trt.load(build)
         assert gen.engine("draft").inner.spec.num_layers == 2
         reference = [r.token_ids for r in gen.generate_ids(PROMPTS, GREEDY, mode="ar")]
         results = gen.generate_ids(PROMPTS, GREEDY, mode=mode)

@@ -1,4 +1,4 @@
-"""Which bonus guesses SSD caches: prompt lookup and the two fork policies (fan_out.py, backup.py)."""
+"""Which bonus guesses SSD caches: prompt lookup and the two fork policies (fan_out.py, ngram.py)."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from ssd_trt.decoding.backup import earlier_matches, lookup_followers, ngram_proposal
+from ssd_trt.ngram import earlier_matches, lookup_followers, ngram_proposal
 from ssd_trt.decoding.fan_out import LOOKUP_PRIOR, confident_forks, ranked_forks
 
 

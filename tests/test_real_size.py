@@ -229,20 +229,6 @@ def test_streamed_export_refuses_what_it_cannot_stream(tmp_path):
         build(path, root=tmp_path)
 
 
-def test_the_real_size_gpu_bench_runs_its_code_path_on_cpu_with_tiny_shapes(tmp_path):
-    """python -m ssd_trt.bench.real_size (the GPU benchmark of the paper's pair shapes) on CPU: SD and SSD equal
-    AR, and the oracle draft's acceptance setting moves the measured acceptance as it should."""
-    from ssd_trt.bench.real_size import main
-    out = tmp_path / "real_size.json"
-    code = main(["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--prompts", "2", "--prompt-tokens", "12",
-                 "--new-tokens", "24", "--acceptance", "0.2,0.95", "--out", str(out)])
-    results = json.loads(out.read_text())
-    assert code == 0 and results["exact"]
-    low, high = results["points"]
-    assert low["sd"]["mean_accepted"] < 1.0 < 2.0 < high["sd"]["mean_accepted"]
-    assert high["ssd"]["cache_hit_rate"] > 0.5 and high["ssd"]["mean_accepted"] > 2.0
-
-
 def test_a_torch_backend_build_exports_nothing_records_its_files_and_runs_exactly(tiny_pairs, tmp_path):
     """engine.backend: torch: the build checks the checkpoints and records each file's sha256, writes no ONNX and
     no plan; the runtime runs the checkpoints on the torch backend (here on CPU, eagerly), token-identical to the

@@ -57,19 +57,10 @@ def test_bad_sampling_parameter_is_refused(case):
         SamplingParams(**kwargs)
 
 
-# -- runtime options: refused when constructed --------------------------------------------------------
+# -- runtime options and decoding settings: refused when constructed ----------------------------------
 BAD_OPTIONS = {
-    "draft_len zero": ({"draft_len": 0}, "draft_len (K) must be an integer in 1..32"),
-    "draft_len too large": ({"draft_len": 33}, "draft_len"),
-    "draft_len float": ({"draft_len": 2.5}, "draft_len"),
-    "unknown ssd option": ({"ssd": {"fan_out": 3}}, "unknown SSD option in ['fan_out']; known: backup, "
-                                                   "critical_batch, fan_out_budget"),
-    "K as an ssd option": ({"ssd": {"draft_len": 3}}, "unknown SSD option in ['draft_len']"),
     "draft timeout zero": ({"draft_timeout_s": 0}, "draft_timeout_s must be positive"),
     "threads zero": ({"target_threads": 0}, "target_threads must be a positive integer"),
-    "ssd C zero": ({"ssd": {"saguaro_c": 0.0}}, "saguaro_c (C) must be in (0, 1]"),
-    "ssd unknown backup": ({"ssd": {"backup": "gpu"}}, "backup must be auto, jit or ngram"),
-    "ssd budget below K+1": ({"draft_len": 4, "ssd": {"fan_out_budget": 3}}, "fan_out_budget must be >= K+1"),
 }
 
 
@@ -79,6 +70,33 @@ def test_bad_runtime_option_is_refused(case):
     with pytest.raises(RequestError) as error:
         RuntimeOptions(**kwargs)
     assert message in str(error.value)
+
+
+BAD_SETTINGS = {
+    "draft_len zero": (ssd_trt.SD, {"draft_len": 0}, "draft_len (K) must be an integer in 1..32"),
+    "draft_len too large": (ssd_trt.SSD, {"draft_len": 33}, "draft_len"),
+    "draft_len float": (ssd_trt.SD, {"draft_len": 2.5}, "draft_len"),
+    "tree widths zero": (ssd_trt.SD, {"tree_widths": (2, 0)}, "tree_widths must be positive integers"),
+    "ssd C zero": (ssd_trt.SSD, {"saguaro_c": 0.0}, "saguaro_c (C) must be in (0, 1]"),
+    "ssd unknown backup": (ssd_trt.SSD, {"backup": "gpu"}, "backup must be auto, jit or ngram"),
+    "ssd budget below K+1": (ssd_trt.SSD, {"draft_len": 4, "fan_out_budget": 3}, "fan_out_budget must be >= K+1"),
+    "ssd unknown fork policy": (ssd_trt.SSD, {"fork_policy": "widest"}, "fork_policy must be confidence or geometric"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SETTINGS))
+def test_bad_decoding_setting_is_refused_when_constructed(case):
+    kind, kwargs, message = BAD_SETTINGS[case]
+    with pytest.raises(RequestError) as error:
+        kind(**kwargs)
+    assert message in str(error.value)
+
+
+def test_an_unknown_setting_is_refused_by_name():
+    """A typed settings object: a misspelt option fails where it is written, naming it (it was a dict once,
+    which passed construction and failed at generate)."""
+    with pytest.raises(TypeError, match="fan_out"):
+        ssd_trt.SSD(fan_out=3)
 
 
 # -- requests: refused before any engine runs ---------------------------------------------------------
@@ -91,7 +109,7 @@ BAD_REQUESTS = {
     "prompt over max context": (lambda g: g.generate(TOO_LONG), "prompt is 300 tokens; this engine's max "
                                                                  "context is 256"),
     "prompt + max_new_tokens over context": (
-        lambda g: g.generate(" ".join(["w5"] * 200), SamplingParams(max_new_tokens=100)),
+        lambda g: g.generate(" ".join(["w5"] * 200), SamplingParams(max_new_tokens=100), mode="ar"),
         "prompt (200 tokens) + max_new_tokens (100) exceeds the engine's max context 256"),
     "no prompts": (lambda g: g.generate([]), "no prompts given"),
     "batch over max": (lambda g: g.generate(["w5"] * 5, OK), "5 prompts exceed the engine's max batch 4"),
@@ -104,11 +122,10 @@ BAD_REQUESTS = {
     "negative token id": (lambda g: g.generate_ids([[1, 5], [1, -5]], OK), "prompt 1 holds token ids outside"),
     "non-integer token id": (lambda g: g.generate_ids([[1, "a"]], OK), "outside 0..255 (or not integers)"),
     "ssd tree over engine max": (
-        lambda g: ssd_trt.Generator(g.root, RuntimeOptions(draft_len=4, ssd={"fan_out_budget": 30})).generate(
-            "w5", OK, mode="ssd"),
+        lambda g: g.generate("w5", OK, mode=ssd_trt.SSD(draft_len=4, fan_out_budget=30)),
         "an SSD tree step with K=4 and fan-out budget 30 feeds 125 tokens, more than the engine's max_tree_size 96"),
     "draft_len over engine max": (
-        lambda g: ssd_trt.Generator(g.root, RuntimeOptions(draft_len=9)).generate("w5", OK, mode="sd"),
+        lambda g: g.generate("w5", OK, mode=ssd_trt.SD(draft_len=9)),
         "draft_len 9 exceeds the engine's max_draft_len 8"),
 }
 
@@ -122,9 +139,9 @@ def test_bad_request_is_refused_with_a_specific_message(gen, case):
 
 
 def test_the_largest_draft_len_the_engine_allows_is_accepted(gen):
-    generator = ssd_trt.Generator(gen.root, RuntimeOptions(draft_len=8))
-    assert generator.plan("ssd").settings.fan_out_budget == 9      # the default fan-out budget grows to K+1
-    generator.generate("w5", OK, mode="ssd")
+    largest = ssd_trt.SSD(draft_len=8)
+    assert gen.resolve(largest).settings.fan_out_budget == 9      # the default fan-out budget grows to K+1
+    gen.generate("w5", OK, mode=largest)
 
 
 def test_a_request_gets_the_builds_decoding_defaults_unless_it_sets_its_own(tiny_pairs):
@@ -136,10 +153,10 @@ def test_a_request_gets_the_builds_decoding_defaults_unless_it_sets_its_own(tiny
     tuned = ssd_trt.load(build(recipe, root=root))
     assert tuned.generate("w5", OK, mode="sd")[0].stats["draft_len"] == 3
     assert tuned.generate("w5", OK, mode="ssd")[0].stats["draft_len"] == 2
-    assert tuned.plan("ssd").settings.fan_out_budget == 12
-    own = ssd_trt.Generator(tuned.root, RuntimeOptions(draft_len=5))
-    assert own.generate("w5", OK, mode="ssd")[0].stats["draft_len"] == 5 and own.plan("ssd").settings.fan_out_budget == 12
-    assert ssd_trt.Generator(tuned.root, RuntimeOptions(ssd={"fan_out_budget": 7})).plan("ssd").settings.fan_out_budget == 7
+    assert tuned.resolve("ssd").settings.fan_out_budget == 12
+    own = ssd_trt.SSD(draft_len=5)
+    assert tuned.generate("w5", OK, mode=own)[0].stats["draft_len"] == 5 and tuned.resolve(own).settings.fan_out_budget == 12
+    assert tuned.resolve(ssd_trt.SSD(fan_out_budget=7)).settings.fan_out_budget == 7
 
 
 def test_valid_utf8_bytes_are_the_same_prompt_as_text(gen):

@@ -19,7 +19,8 @@ from ssd_trt.decoding import rounds as rounds_module
 from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import Outcome, filter_logits
-from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
+from ssd_trt.decoding.saguaro import generate_saguaro
+from ssd_trt.decoding.settings import SSD
 from ssd_trt.decoding.speculative import generate_speculative
 from ssd_trt.decoding.speculative_tree import generate_tree_speculative
 from tests.sampling_reference import reference_probs
@@ -89,7 +90,7 @@ def run_ssd(**config):
     def strategy(seqs, rng):
         target, draft = engines()
         return generate_saguaro(target, draft, [PROMPT] * ROWS, seqs, rng,
-                                SaguaroConfig(**{"draft_len": 2, "fan_out_budget": 4, **config}))
+                                SSD(**{"draft_len": 2, "fan_out_budget": 4, **config}))
     return strategy
 
 

@@ -15,7 +15,8 @@ import torch
 
 import ssd_trt
 from ssd_trt.decoding import rounds as rounds_module
-from ssd_trt.runtime import RuntimeOptions
+from ssd_trt import AR, SD, SSD
+from ssd_trt.decoding.settings import Settings
 from tests.helpers import perturbed, random_decoder, save_hf_checkpoint, tiny_config, write_recipe
 from tests.sampling_reference import reference_probs
 from tests.test_sampling_lossless import noise_floor, planted_reference_bug, total_variation
@@ -55,11 +56,11 @@ def exact_tokens(target, params: ssd_trt.SamplingParams, length: int = 2) -> dic
     return out
 
 
-def draw(build, mode: str, params: dict, options: RuntimeOptions | None = None, length: int = 2,
-         prompt: list[int] = PROMPT, rows: int = ROWS, calls: int = CALLS) -> tuple[list, list[dict]]:
+def draw(build, mode: Settings, params: dict, length: int = 2, prompt: list[int] = PROMPT, rows: int = ROWS,
+         calls: int = CALLS) -> tuple[list, list[dict]]:
     """``calls`` requests of ``rows`` copies of ``prompt``, each with its own seed: every call draws the
     draft's and the target's random numbers from fresh, independent streams."""
-    gen = ssd_trt.load(build, options)
+    gen = ssd_trt.load(build)
     samples, stats = [], []
     for call in range(calls):
         request = ssd_trt.SamplingParams(max_new_tokens=length, seed=1000 + call, stop_on_eos=False, **params)
@@ -84,25 +85,24 @@ def check(joint: dict, samples: list) -> list[tuple[str, float, float]]:
     return out
 
 
-CASES = [("ar", None), ("sd", RuntimeOptions(draft_len=3)),
-         ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "jit", "fan_out_budget": 8})),
-         ("ssd", RuntimeOptions(draft_len=2, ssd={"backup": "ngram", "fan_out_budget": 8, "saguaro_c": 0.5}))]
+CASES = [AR(), SD(draft_len=3), SSD(draft_len=2, backup="jit", fan_out_budget=8),
+         SSD(draft_len=2, backup="ngram", fan_out_budget=8, saguaro_c=0.5)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-@pytest.mark.parametrize("mode,options", CASES, ids=["ar", "sd", "ssd-jit", "ssd-ngram-c0.5"])
-def test_first_two_tokens_follow_the_target_distribution_through_onnx_runtime(pair, setting, mode, options):
+@pytest.mark.parametrize("mode", CASES, ids=["ar", "sd", "ssd-jit", "ssd-ngram-c0.5"])
+def test_first_two_tokens_follow_the_target_distribution_through_onnx_runtime(pair, setting, mode):
     build, target = pair
     params = SETTINGS[setting]
     joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **params))
     assert len(joint) > 10                                   # a distribution with real spread, not a point
-    samples, stats = draw(build, mode, params, options)
+    samples, stats = draw(build, mode, params)
     for what, tv, threshold in check(joint, samples):
-        assert tv < threshold, f"{mode} {setting} {what}: TV {tv:.4f} >= {threshold:.4f}"
-    if mode != "ar":      # the draft did real work: some of its tokens were accepted, some rejected
+        assert tv < threshold, f"{mode.name} {setting} {what}: TV {tv:.4f} >= {threshold:.4f}"
+    if mode.name != "ar":      # the draft did real work: some of its tokens were accepted, some rejected
         accepted = np.mean([s["mean_accepted"] for s in stats])
-        assert 0.1 < accepted < options.draft_len, accepted
+        assert 0.1 < accepted < mode.draft_len, accepted
 
 
 @pytest.mark.slow
@@ -112,8 +112,7 @@ def test_ssd_cache_hits_follow_the_target_distribution_through_onnx_runtime(pair
     build, target = pair
     params = SETTINGS["t0.7-p0.9"]       # 3-token outcomes at T=1 top-k 50 number 125,000: no usable floor
     joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=3, **params), length=3)
-    samples, stats = draw(build, "ssd", params, RuntimeOptions(draft_len=1, ssd={"backup": "jit",
-                                                                                  "fan_out_budget": 4}), length=3)
+    samples, stats = draw(build, SSD(draft_len=1, backup="jit", fan_out_budget=4), params, length=3)
     for what, tv, threshold in check(joint, samples):
         assert tv < threshold, f"ssd 3 tokens {what}: TV {tv:.4f} >= {threshold:.4f}"
     rates = [s["cache_hit_rate"] for s in stats if s["cache_hit_rate"] is not None]
@@ -121,12 +120,12 @@ def test_ssd_cache_hits_follow_the_target_distribution_through_onnx_runtime(pair
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,options", [CASES[1], CASES[2]], ids=["sd", "ssd-jit"])
-def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch, mode, options):
+@pytest.mark.parametrize("mode", [CASES[1], CASES[2]], ids=["sd", "ssd-jit"])
+def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch, mode):
     build, target = pair
     params = SETTINGS["t0.7-p0.9"]     # at T=1 top-k 50 the 2,500-outcome noise floor hides a bias this size
     monkeypatch.setattr(rounds_module, "verify_chain", planted_reference_bug)
     joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **params))
-    samples, _ = draw(build, mode, params, options)
+    samples, _ = draw(build, mode, params)
     failed = [(what, tv, threshold) for what, tv, threshold in check(joint, samples) if tv >= threshold]
     assert failed, f"planted bias went unnoticed: {check(joint, samples)}"

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import ssd_trt
-from ssd_trt.serve.triton.backend import Detokenizer, Job, Scheduler
+from ssd_trt.detokenize import Detokenizer
+from ssd_trt.serve.triton.backend import Job, Scheduler
 from ssd_trt.serve.triton.repository import ExportOptions, export_repository
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ def cache_bytes(engine) -> int:
 
 
 def test_mixed_requests_leak_no_slots_threads_or_memory(tiny_pairs):
-    gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_len=3, draft_timeout_s=5.0))
+    gen = ssd_trt.load(tiny_pairs["perturbed"], RuntimeOptions(draft_timeout_s=5.0))
     real_draft = gen.engine("draft")
     gen.engine("target")
     rng = np.random.default_rng(0)
@@ -49,7 +49,7 @@ def test_mixed_requests_leak_no_slots_threads_or_memory(tiny_pairs):
             gc.collect()
             tracemalloc.start()
             heap_start, rss_start = tracemalloc.get_traced_memory()[0], rss_bytes()
-        mode = ["ar", "sd", "ssd"][index % 3]
+        mode = [ssd_trt.AR(), ssd_trt.SD(draft_len=3), ssd_trt.SSD(draft_len=3)][index % 3]
         batch = int(rng.integers(1, 5))
         prompts = [[1] + rng.integers(3, 256, int(rng.integers(1, 30))).tolist() for _ in range(batch)]
         greedy = rng.random() < 0.4
@@ -69,7 +69,7 @@ def test_mixed_requests_leak_no_slots_threads_or_memory(tiny_pairs):
                 seen[0] += len(tokens)
                 if seen[0] >= budget:
                     raise Cancelled
-        elif kind == "draft_fault" and mode == "ssd":
+        elif kind == "draft_fault" and mode.name == "ssd":
             gen.engines.opened["draft"] = FaultyEngine(real_draft, str(rng.choice(["crash", "garbage"])),
                                                  at=int(rng.integers(0, 12)))
         try:
@@ -102,10 +102,10 @@ def test_mixed_requests_leak_no_slots_threads_or_memory(tiny_pairs):
 
 
 def test_repeated_identical_requests_give_identical_answers_and_hold_nothing(tiny_pairs):
-    gen = ssd_trt.load(tiny_pairs["self"], RuntimeOptions(draft_len=4))
+    gen = ssd_trt.load(tiny_pairs["self"])
     params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=11, stop_on_eos=False)
     prompts = [[1, 5, 9, 33], [1, 7]]
-    for mode in ("ar", "sd", "ssd"):
+    for mode in (ssd_trt.AR(), ssd_trt.SD(draft_len=4), ssd_trt.SSD(draft_len=4)):
         first = [r.token_ids for r in gen.generate_ids(prompts, params, mode=mode)]
         for _ in range(5):
             assert [r.token_ids for r in gen.generate_ids(prompts, params, mode=mode)] == first

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 
 import ssd_trt
 from ssd_trt.manifest import TunedDecoding, read_manifest, write_manifest
@@ -50,18 +51,18 @@ def test_requests_get_their_regimes_tuned_defaults_unless_they_set_k(tiny_pairs,
                           measurement={})
     write_manifest(build, manifest.model_copy(update={"tuned_decoding": tuned}))
     gen = ssd_trt.load(build)
-    assert gen.plan("sd", GREEDY).draft_len == 2 and gen.plan("sd", SAMPLED).draft_len == 1
-    assert (gen.plan("ssd", GREEDY).settings.draft_len, gen.plan("ssd", GREEDY).settings.fan_out_budget) == (1, 5)
-    assert (gen.plan("ssd", SAMPLED).settings.draft_len, gen.plan("ssd", SAMPLED).settings.fan_out_budget) == (3, 4)
+    assert gen.resolve("sd", GREEDY).draft_len == 2 and gen.resolve("sd", SAMPLED).draft_len == 1
+    assert (gen.resolve("ssd", GREEDY).settings.draft_len, gen.resolve("ssd", GREEDY).settings.fan_out_budget) == (1, 5)
+    assert (gen.resolve("ssd", SAMPLED).settings.draft_len, gen.resolve("ssd", SAMPLED).settings.fan_out_budget) == (3, 4)
     # a request's stats say what ran
     [result] = gen.generate("w1 w2", SAMPLED, mode="ssd")
     assert result.stats["draft_len"] == 3
     # the caller's K wins over any default
-    own = ssd_trt.load(build, ssd_trt.RuntimeOptions(draft_len=4))
-    assert own.plan("sd", GREEDY).draft_len == 4 and own.plan("sd", SAMPLED).draft_len == 4
+    own = ssd_trt.SD(draft_len=4)
+    assert gen.resolve(own, GREEDY).draft_len == 4 and gen.resolve(own, SAMPLED).draft_len == 4
     # an untuned build uses the recipe's decoding
     untuned = ssd_trt.load(tiny_pairs["perturbed"])
-    assert untuned.plan("sd", SAMPLED).draft_len == recipe_default.sd_draft_len
+    assert untuned.resolve("sd", SAMPLED).draft_len == recipe_default.sd_draft_len
 
 
 def test_the_grid_stays_within_the_engine_limits(tiny_pairs):
@@ -71,3 +72,16 @@ def test_the_grid_stays_within_the_engine_limits(tiny_pairs):
     # budgets below K+1 are raised to it; trees larger than the engine allows are left out
     assert ("ssd", 2, 3) in points and ("ssd", 2, 2) not in points
     assert not any(p[0] == "ssd" and p[2] == 10_000 for p in points)
+
+
+def test_without_matplotlib_tune_records_its_choice_and_says_the_plot_needs_the_extra(tiny_pairs, tmp_path, capsys,
+                                                                                      monkeypatch):
+    build = _copy(tiny_pairs["perturbed"], tmp_path)
+    (build / "tuning.png").write_bytes(b"an earlier tuning's plot")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)            # `import matplotlib` now fails
+    monkeypatch.delitem(sys.modules, "ssd_trt.bench.plots", raising=False)
+    assert tune_main([str(build), "--prompts", "1", "--max-new-tokens", "4", "--rounds", "1", "--sd-k", "1",
+                      "--ssd-k", "1", "--ssd-budget", "2"]) == 0
+    assert read_manifest(build).tuned_decoding is not None
+    assert not (build / "tuning.png").exists()                     # no plot, and not the earlier one either
+    assert "no plot: matplotlib is not installed (pip install -e '.[plots]')" in capsys.readouterr().out

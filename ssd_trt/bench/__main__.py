@@ -20,7 +20,8 @@ import numpy as np
 import ssd_trt
 from ssd_trt.bench import llama_bench, llama_cpp
 from ssd_trt.bench.prompts import DEFAULT_PROMPTS, TUNING_PROMPTS, load_prompts
-from ssd_trt.bench.runner import agreement, by_category, run_engine, run_hf, summarise
+from ssd_trt.bench.runner import LoadedBuilds, agreement, by_category, run_engine, run_hf, summarise
+from ssd_trt.decoding.settings import AR, SD, SSD, min_fan_out_budget
 from ssd_trt.bench.settings import PRESETS, SETTINGS, SamplingPreset
 from ssd_trt.bench.speed_model import predicted_speedup
 from ssd_trt.errors import SsdTrtError
@@ -130,14 +131,15 @@ SSD_GRID = "ssd: K x fan-out budget"
 def ssd_grid(ks: str, budgets: str) -> list[tuple[int, int]]:
     """Every (K, budget) pair of the two comma lists; a budget below K+1 (fewer guesses than outcomes
     k = 0..K) is raised to K+1, and pairs that coincide after that are swept once."""
-    return sorted({(int(k), max(int(b), int(k) + 1)) for k in ks.split(",") for b in budgets.split(",")})
+    return sorted({(int(k), max(int(b), min_fan_out_budget(int(k)))) for k in ks.split(",") for b in budgets.split(",")})
 
 
-def sweep(build_dir, setting, mode, prompts, encoded, params, ar_tps, values, make_kwargs):
+def sweep(builds, build_dir, setting, prompts, encoded, params, ar_tps, values, make_settings):
     points = []
     for value in values:
-        runs = run_engine(build_dir, setting, mode, prompts, encoded, params, label=f"{mode} sweep {value}",
-                          **make_kwargs(value))
+        mode = make_settings(value)
+        runs = run_engine(builds, build_dir, setting, mode, prompts, encoded, params,
+                          label=f"{mode.name} sweep {value}")
         s = summarise(runs, None)
         points.append({"value": list(value) if isinstance(value, tuple) else value,   # (K, budget) -> JSON list
                        "tokens_per_s": s["tokens_per_s"], "mean_accepted": s["mean_accepted"],
@@ -145,19 +147,19 @@ def sweep(build_dir, setting, mode, prompts, encoded, params, ar_tps, values, ma
     return points
 
 
-def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_ids,
+def run_setting(args, builds: LoadedBuilds, setting, prompts, encoded, tuning, params, hf_pair, eos_ids,
                 chosen: dict | None = None) -> dict:
     build = args.build_dir
     modes = [m for m in args.modes.split(",") if m]
     small, small_ids = tuning
     results, categories, runs_by_mode = {}, {}, {}
-    ar_runs = run_engine(build, setting, "ar", prompts, encoded, params)
+    ar_runs = run_engine(builds, build, setting, AR(), prompts, encoded, params)
     runs_by_mode["ar"] = ar_runs
     sweeps: dict = {}
     chosen = dict(chosen or {})
     ar_small: list = []
 
-    def pick(key: str, label: str, mode: str, values: list, make_kwargs):
+    def pick(key: str, label: str, values: list, make_settings):
         """The fastest value on the tuning prompts (swept once; reused when ``chosen`` has it), or the build's
         default for this preset's regime (--build-defaults)."""
         if key not in chosen and args.build_defaults:
@@ -165,28 +167,28 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
             chosen[key] = d.sd_draft_len if key == "sd_k" else [d.ssd_draft_len, d.ssd_fan_out_budget]
         if key not in chosen:
             if not ar_small:    # the sweeps' AR reference, on the same tuning prompts
-                ar_small.append(summarise(run_engine(build, setting, "ar", small, small_ids, params,
+                ar_small.append(summarise(run_engine(builds, build, setting, AR(), small, small_ids, params,
                                                      label="ar tuning"), None))
-            sweeps[label] = sweep(build, setting, mode, small, small_ids, params, ar_small[0]["tokens_per_s"],
-                                  values, make_kwargs)
+            sweeps[label] = sweep(builds, build, setting, small, small_ids, params, ar_small[0]["tokens_per_s"],
+                                  values, make_settings)
             chosen[key] = max(sweeps[label], key=lambda p: p["tokens_per_s"])["value"]
         return chosen[key]
 
     if "sd" in modes:
-        best_sd = pick("sd_k", "sd: K", "sd", [int(k) for k in args.sd_k.split(",")], lambda k: {"draft_len": k})
-        runs_by_mode["sd"] = run_engine(build, setting, "sd", prompts, encoded, params, draft_len=best_sd)
+        best_sd = pick("sd_k", "sd: K", [int(k) for k in args.sd_k.split(",")], lambda k: SD(draft_len=k))
+        runs_by_mode["sd"] = run_engine(builds, build, setting, SD(draft_len=best_sd), prompts, encoded, params)
     if "ssd" in modes:
-        best_k, best_budget = pick("ssd_grid", SSD_GRID, "ssd", ssd_grid(args.ssd_k, args.ssd_budget),
-                                   lambda kb: {"draft_len": kb[0], "ssd": {"fan_out_budget": kb[1]}})
+        best_k, best_budget = pick("ssd_grid", SSD_GRID, ssd_grid(args.ssd_k, args.ssd_budget),
+                                   lambda kb: SSD(draft_len=kb[0], fan_out_budget=kb[1]))
         chosen["ssd_k"], chosen["ssd_budget"] = best_k, best_budget
-        runs_by_mode["ssd"] = run_engine(build, setting, "ssd", prompts, encoded, params, draft_len=best_k,
-                                         ssd={"fan_out_budget": best_budget}, keep_timeline=True)
+        runs_by_mode["ssd"] = run_engine(builds, build, setting, SSD(draft_len=best_k, fan_out_budget=best_budget),
+                                         prompts, encoded, params, keep_timeline=True)
     target, draft, _ = hf_pair if hf_pair else (None, None, None)
     for name in [b for b in args.baselines.split(",") if b in BASELINES]:
         runs_by_mode[BASELINES[name]] = run_hf(target, draft if name == "hf_assisted" else None, setting, prompts,
                                                encoded, args.max_new_tokens, eos_ids, BASELINES[name])
     for label, other_build in (args.ar_builds if params.greedy else []):   # their point: agreement at T = 0
-        runs_by_mode[label] = run_engine(other_build, setting, "ar", prompts, encoded, params, label=label)
+        runs_by_mode[label] = run_engine(builds, other_build, setting, AR(), prompts, encoded, params, label=label)
     for name in [b for b in args.baselines.split(",") if b in llama_cpp.NAMES]:
         runs_by_mode[name] = llama_cpp.run_llama_cpp(args.gguf, setting, prompts, encoded, args.max_new_tokens,
                                                      eos_ids, name)
@@ -197,8 +199,8 @@ def run_setting(args, setting, prompts, encoded, tuning, params, hf_pair, eos_id
         categories[mode] = by_category(runs, reference)
     results.update(binary_rows(args, setting, encoded, params.greedy))
     for mode in [m for m in ENGINE_MODES if m in modes]:   # what a short request waits (startup cost)
-        results[mode]["two_token_latency_s"] = two_token_latency(build, setting, mode, prompts, encoded, params,
-                                                                 chosen)
+        results[mode]["two_token_latency_s"] = two_token_latency(builds, build, setting, mode, prompts, encoded,
+                                                                 params, chosen)
     if params.greedy:    # engines with other kernels: how often their greedy text is this build's AR text
         for name in [*llama_cpp.NAMES, *(label for label, _ in args.ar_builds)]:
             if name in runs_by_mode:
@@ -235,17 +237,14 @@ def binary_rows(args, setting, encoded: list[list[int]], greedy: bool) -> dict[s
     return rows
 
 
-def two_token_latency(build, setting, mode: str, prompts, encoded, params, chosen: dict) -> float:
+def two_token_latency(builds, build, setting, mode: str, prompts, encoded, params, chosen: dict) -> float:
     """Median wall time of a 2-token request (prefill, first speculation, one round) over the prompts,
     with the K / fan-out budget the sweep chose for the mode."""
     from dataclasses import replace
-    options: dict = {}
-    if mode == "sd":
-        options["draft_len"] = chosen["sd_k"]
-    if mode == "ssd":
-        options.update(draft_len=chosen["ssd_k"], ssd={"fan_out_budget": chosen["ssd_budget"]})
-    runs = run_engine(build, setting, mode, prompts, encoded, replace(params, max_new_tokens=2),
-                      label=f"{mode} 2-token", **options)
+    settings = {"ar": AR(), "sd": SD(draft_len=chosen.get("sd_k")),
+                "ssd": SSD(draft_len=chosen.get("ssd_k"), fan_out_budget=chosen.get("ssd_budget"))}[mode]
+    runs = run_engine(builds, build, setting, settings, prompts, encoded, replace(params, max_new_tokens=2),
+                      label=f"{mode} 2-token")
     return float(np.median([r.seconds for r in runs]))
 
 
@@ -318,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
                          "k_and_budget": "the build's decoding defaults" if args.build_defaults else
                          "swept on the tuning prompts"},
               "presets": {}}
-    from ssd_trt.bench import plots
+    try:
+        from ssd_trt.bench import plots
+    except ImportError:            # matplotlib is an optional extra: results.json alone, said once
+        plots = None
+        print("ssd_trt.bench: matplotlib is not installed, so no plots (pip install -e '.[plots]')", flush=True)
+    builds = LoadedBuilds()
     for preset in chosen_presets:
         params = preset.params(args.max_new_tokens)
         entry = report["presets"].setdefault(preset.name, {"params": preset.describe(), "settings": {}})
@@ -328,21 +332,22 @@ def main(argv: list[str] | None = None) -> int:
             # transformers' baselines are greedy here: their sampled runs would use another random stream
             baselines_args = argparse.Namespace(**{**vars(args), "baselines": args.baselines if params.greedy
                                                     else "none"})
-            outcome = run_setting(baselines_args, setting, prompts, encoded, tuning, params, hf_pair, eos_ids,
-                                  chosen if args.sweep_once else None)
+            outcome = run_setting(baselines_args, builds, setting, prompts, encoded, tuning, params, hf_pair,
+                                  eos_ids, chosen if args.sweep_once else None)
             chosen = outcome["chosen"]
             outcome["timeline"] = outcome["timeline"][:40]
             entry["settings"][setting.name] = outcome
-            tag = f"{preset.name}_{setting.name}"
-            plots.tokens_per_category(outcome["by_category"], args.out / f"tokens_per_category_{tag}.png",
-                                      f"tokens/s by category ({preset.name}, {setting.name})")
-            if outcome["timeline"]:
-                plots.ssd_timeline(outcome["timeline"], args.out / f"ssd_timeline_{tag}.png")
-            if outcome["sweeps"]:          # none with --build-defaults
-                plots.sweeps(outcome["sweeps"], args.out / f"sweeps_{tag}.png")
+            if plots is not None:
+                tag = f"{preset.name}_{setting.name}"
+                plots.tokens_per_category(outcome["by_category"], args.out / f"tokens_per_category_{tag}.png",
+                                          f"tokens/s by category ({preset.name}, {setting.name})")
+                if outcome["timeline"]:
+                    plots.ssd_timeline(outcome["timeline"], args.out / f"ssd_timeline_{tag}.png")
+                if outcome["sweeps"]:          # none with --build-defaults
+                    plots.sweeps(outcome["sweeps"], args.out / f"sweeps_{tag}.png")
             print(table(f"{preset.name}, {setting.name}: {setting.description}", outcome["summary"]), flush=True)
             (args.out / "results.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out / 'results.json'} and plots")
+    print(f"wrote {args.out / 'results.json'}{'' if plots is None else ' and plots'}")
     return 0
 
 

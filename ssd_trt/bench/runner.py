@@ -10,6 +10,7 @@ from tqdm import tqdm
 import ssd_trt
 from ssd_trt.bench.prompts import Prompt
 from ssd_trt.bench.settings import Setting
+from ssd_trt.decoding.settings import Settings
 from ssd_trt.engines.affinity import pinned
 
 ROUND_KEYS = ("mean_accepted", "acceptance_rate", "cache_hit_rate", "verify_latency_s", "draft_latency_s",
@@ -26,13 +27,28 @@ class PromptRun:
     stats: dict = field(default_factory=dict)
 
 
-def run_engine(build_dir: Path, setting: Setting, mode: str, prompts: list[Prompt], encoded: list[list[int]],
-               params: ssd_trt.SamplingParams, draft_len: int | None = None, ssd: dict | None = None,
-               label: str | None = None, keep_timeline: bool = False) -> list[PromptRun]:
-    generator = ssd_trt.load(build_dir, setting.options(mode, draft_len, ssd))
+class LoadedBuilds:
+    """Each build loaded once per (hardware setting, mode placement) for a whole benchmark run: sweep points and
+    presets pass their decoding settings per call, so nothing is reloaded or re-hashed between them."""
+
+    def __init__(self) -> None:
+        self._generators: dict[tuple[str, str, str], ssd_trt.Generator] = {}
+
+    def get(self, build_dir: Path, setting: Setting, mode: str) -> ssd_trt.Generator:
+        key = (str(build_dir), setting.name, mode)
+        if key not in self._generators:
+            self._generators[key] = ssd_trt.load(build_dir, setting.options(mode))
+        return self._generators[key]
+
+
+def run_engine(builds: LoadedBuilds, build_dir: Path, setting: Setting, mode: Settings, prompts: list[Prompt],
+               encoded: list[list[int]], params: ssd_trt.SamplingParams, label: str | None = None,
+               keep_timeline: bool = False) -> list[PromptRun]:
+    """``mode``: the decoding settings (ssd_trt.AR(), SD(...), SSD(...)) every prompt runs with."""
+    generator = builds.get(build_dir, setting, mode.name)
     runs = []
-    for prompt, ids in tqdm(list(zip(prompts, encoded)), desc=f"{setting.name} {label or mode}", unit="prompt",
-                            leave=False):
+    for prompt, ids in tqdm(list(zip(prompts, encoded)), desc=f"{setting.name} {label or mode.name}",
+                            unit="prompt", leave=False):
         [result] = generator.generate_ids([ids], params, mode=mode)
         s = result.stats
         kept = {k: s.get(k) for k in ROUND_KEYS}

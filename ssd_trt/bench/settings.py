@@ -24,15 +24,14 @@ class Setting:
         """The cores a model that runs alone is pinned to: one per thread, from core 0."""
         return tuple(range(self.single_threads))
 
-    def options(self, mode: str, draft_len: int | None, ssd: dict | None = None) -> RuntimeOptions:
+    def options(self, mode: str) -> RuntimeOptions:
+        """Where the models of ``mode`` (ar | sd | ssd) run under this setting."""
         if mode == "ssd":
-            return RuntimeOptions(target_threads=1, draft_threads=1, target_cores=(0,), draft_cores=(1,),
-                                  draft_len=draft_len, ssd=dict(ssd or {}))
+            return RuntimeOptions(target_threads=1, draft_threads=1, target_cores=(0,), draft_cores=(1,))
         cores = self.single_cores
         # AR runs one session, which may spin; SD's two sessions share the cores, so they must not
         return RuntimeOptions(target_threads=self.single_threads, draft_threads=self.single_threads,
-                              target_cores=cores, draft_cores=cores, draft_len=draft_len,
-                              spin=True if mode == "ar" else None)
+                              target_cores=cores, draft_cores=cores, spin=True if mode == "ar" else None)
 
 
 @dataclass(frozen=True)

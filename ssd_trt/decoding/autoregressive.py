@@ -6,7 +6,7 @@ from typing import Mapping
 import numpy as np
 
 from ssd_trt.decoding.batch import Sequences, first_tokens
-from ssd_trt.decoding.mode import Plan
+from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.sampling import next_tokens
 from ssd_trt.engines.base import Engine
 from ssd_trt.engines.placement import ModelPlacement
@@ -17,11 +17,11 @@ class Autoregressive:
     name = "ar"
     roles = ("target",)
 
-    def plan(self, options, defaults) -> Plan:
-        return Plan(draft_len=None, headroom=0)
+    def resolve(self, settings, defaults) -> ResolvedMode:
+        return ResolvedMode(self.name, settings, draft_len=None, headroom=0)
 
     def run(self, engines: Mapping[str, Engine], prompts: list[list[int]], seqs: Sequences,
-            rng: np.random.Generator, plan: Plan, placements: Mapping[str, ModelPlacement]) -> dict:
+            rng: np.random.Generator, resolved: ResolvedMode, placements: Mapping[str, ModelPlacement]) -> dict:
         return generate_autoregressive(engines["target"], prompts, seqs, rng)
 
 

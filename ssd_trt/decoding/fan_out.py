@@ -9,7 +9,7 @@ a capped geometric series, rounded here to integers >= 1 that sum exactly to B (
 Both a and r are measured online, separately for speculations that came from a cache hit (primary)
 and from a backup after a miss, since their acceptance differs.
 
-Two ways to spend the budget B on concrete guesses (``SaguaroConfig.fork_policy``):
+Two ways to spend the budget B on concrete guesses (``settings.SSD.fork_policy``):
 * geometric (the paper's): F_k from the shape above, the top-F_k draft tokens at each position.
 * confidence: the same objective -- cache the B most likely outcomes -- with this round's own odds
   instead of the average ones. If the draft is calibrated, outcome (k, t) has probability
@@ -17,7 +17,7 @@ Two ways to spend the budget B on concrete guesses (``SaguaroConfig.fork_policy`
                                                           zero residual mass, so it is never t*)
   so a position after a shaky draft token gets few guesses and a position the draft is sure of gets many.
 Either way prompt-lookup candidates (tokens that followed the same n-gram earlier in the sequence,
-``backup.lookup_followers``) may join the guesses: a copied span is what the small draft misses most.
+``ngram.lookup_followers``) may join the guesses: a copied span is what the small draft misses most.
 Which tokens are cached never changes the output -- verification does not look at the cache -- only
 the hit rate.
 """
@@ -36,7 +36,7 @@ from ssd_trt.decoding.sampling import top_tokens
 LOOKUP_PRIOR = {1: 0.05, 2: 0.3, 3: 0.5}
 
 def geometric_fan_out(acceptance: float, power: float, draft_len: int, budget: int) -> list[int]:
-    """Integer fan-outs F_0..F_K (length K+1) summing to ``budget`` (>= K+1: ``SaguaroConfig`` checks it)."""
+    """Integer fan-outs F_0..F_K (length K+1) summing to ``budget`` (>= K+1: ``settings.SSD`` checks it)."""
     a = min(max(acceptance, 1e-3), 1 - 1e-3)
     exponent = 1.0 / (1.0 + power)
     weights = np.array([a ** (k * exponent) for k in range(draft_len)]

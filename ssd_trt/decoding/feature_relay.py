@@ -11,15 +11,13 @@ from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.engines.feature_draft import takes_target_features
-
 # row -> (first position, features [n, F]) of the tokens just verified (rows with nothing new are absent)
 Verified = dict[int, tuple[int, np.ndarray]]
 
 
 def prompt_features(target, draft, prompts: list[list[int]]) -> Verified:
     """After the target's prefill: every prompt token's features (the step right-padded ragged rows)."""
-    if not takes_target_features(draft):
+    if not draft.takes_target_features:
         return {}
     features = _features_of(target)
     return {row: (0, features[row, :len(prompt)].copy()) for row, prompt in enumerate(prompts)}
@@ -27,7 +25,7 @@ def prompt_features(target, draft, prompts: list[list[int]]) -> Verified:
 
 def chain_features(target, draft, outcomes: Sequence) -> Verified:
     """After ``rounds.verify_and_commit``: the features of t*_prev, s_1..s_k (the target's cache ends there)."""
-    if not takes_target_features(draft):
+    if not draft.takes_target_features:
         return {}
     features, lengths = _features_of(target), target.lengths
     return {row: (int(lengths[row]) - outcome.accepted - 1, features[row, :outcome.accepted + 1].copy())
@@ -36,7 +34,7 @@ def chain_features(target, draft, outcomes: Sequence) -> Verified:
 
 def tree_features(target, draft, row: int, start: int, path: list[int]) -> Verified:
     """After a tree verification of ``row`` (before ``keep``): the features of the accepted path's nodes."""
-    if not takes_target_features(draft):
+    if not draft.takes_target_features:
         return {}
     return {row: (start, _features_of(target)[row, path].copy())}
 
@@ -48,8 +46,8 @@ def hand_over(draft, verified: Verified) -> None:
 
 
 def _features_of(target) -> np.ndarray:
-    features = getattr(target, "last_features", None)
-    if features is None:
+    features = target.last_features
+    if not target.has_features or features is None:
         raise RuntimeError(f"{target.spec.name}: the draft reads the target's features but the target engine "
                            "returned none (a build for a feature draft exports the target with them)")
     return features

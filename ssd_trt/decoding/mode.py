@@ -1,8 +1,9 @@
 """What a decoding mode is to the runtime: a strategy object (the registry is ``decoding/modes.py``).
 
-A mode says which engines it needs, resolves a request's settings from the runtime options and the
-build's decoding defaults into a :class:`Plan` (what the runtime checks against the engine limits before
-any engine runs), and runs. Adding a mode is one new module with such an object plus a registry line.
+A mode says which engines it needs, resolves a request's settings (``decoding/settings.py``: AR, SD or SSD,
+with unset values from the build's decoding defaults) into a :class:`ResolvedMode` (what the runtime checks
+against the engine limits before any engine runs), and runs. Adding a mode is one new module with such an
+object, its settings class, and a registry line.
 """
 from __future__ import annotations
 
@@ -17,22 +18,24 @@ from ssd_trt.engines.placement import ModelPlacement
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One request's resolved mode settings."""
+class ResolvedMode:
+    """One request's mode with its settings resolved, and what they ask of the engines."""
+    name: str                      # ar | sd | ssd
+    settings: Any                  # the mode's settings object, every value set (AR, SD or SSD)
     draft_len: int | None          # K, checked against engine.max_draft_len (None: the mode drafts nothing)
     headroom: int                  # cache slots a round may write past the committed text
     tree_tokens: int = 0           # tokens of the mode's largest draft tree step (0: none), vs max_tree_size
     tree_what: str = ""            # how an error message names that step
-    settings: Any = None           # the mode's own settings (e.g. SaguaroConfig)
 
 
 class Mode(Protocol):
     name: str
     roles: tuple[str, ...]         # engines it needs: ("target",) or ("target", "draft")
 
-    def plan(self, options: Any, defaults: Any) -> Plan:
-        """``options``: RuntimeOptions; ``defaults``: the build's DecodingDefaults. Raises RequestError."""
+    def resolve(self, settings: Any, defaults: Any) -> ResolvedMode:
+        """``settings``: this mode's settings object; ``defaults``: the build's DecodingDefaults for the
+        request's regime. Raises RequestError."""
 
     def run(self, engines: Mapping[str, Engine], prompts: list[list[int]], seqs: Sequences,
-            rng: np.random.Generator, plan: Plan, placements: Mapping[str, ModelPlacement]) -> dict:
+            rng: np.random.Generator, resolved: ResolvedMode, placements: Mapping[str, ModelPlacement]) -> dict:
         """Decode until every row of ``seqs`` is done; return the mode's statistics."""

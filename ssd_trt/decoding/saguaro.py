@@ -43,71 +43,39 @@ from typing import Mapping
 
 import numpy as np
 
-from ssd_trt.decoding.backup import lookup_followers, ngram_proposal
 from ssd_trt.decoding.batch import Sequences, first_tokens
 from ssd_trt.decoding.feature_relay import Verified, chain_features, hand_over, prompt_features
 from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks, ranked_forks
-from ssd_trt.decoding.mode import Plan
+from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.rounds import verify_and_commit
 from ssd_trt.decoding.sampling import Outcome, TokenDistribution, filter_logits, softmax
+from ssd_trt.decoding.settings import SSD
+from ssd_trt.decoding.speculative import draft_tokens
 from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.engines.affinity import pin
 from ssd_trt.engines.base import Engine, last_indices
-from ssd_trt.engines.feeding import feed_ragged, feed_rows
+from ssd_trt.engines.feeding import feed_rows
 from ssd_trt.engines.placement import ModelPlacement
-from ssd_trt.errors import RequestError
+from ssd_trt.ngram import lookup_followers, ngram_proposal
 
 
-# -- settings -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SaguaroConfig:
-    """The algorithm's settings (where the models run is ``RuntimeOptions`` / ``ModelPlacement``)."""
-    draft_len: int = 4                 # K (validated with the request: options, or the build's defaults)
-    fan_out_budget: int = 8            # B = sum_k F_k guesses per sequence and round
-    fork_policy: str = "confidence"    # confidence (this round's odds) | geometric (the paper's shape)
-    lookup_forks: int = 3              # prompt-lookup bonus guesses per position (0: draft guesses only)
-    saguaro_c: float = 1.0             # C of sigma_{F,C}; 1 = plain draft sampling
-    backup: str = "auto"               # auto | jit | ngram
-    critical_batch: int = 4            # b*: batches >= b* use the fast backup on a miss
-    prior_acceptance: float = 0.6
-    prior_power: float = 0.6
-
-    def __post_init__(self) -> None:
-        if self.fan_out_budget < self.draft_len + 1:
-            raise RequestError(f"fan_out_budget must be >= K+1 = {self.draft_len + 1}, got {self.fan_out_budget}")
-        if not 0 < self.saguaro_c <= 1:
-            raise RequestError(f"saguaro_c (C) must be in (0, 1], got {self.saguaro_c}")
-        if self.fork_policy not in ("confidence", "geometric"):
-            raise RequestError(f"fork_policy must be confidence or geometric, got {self.fork_policy!r}")
-        if isinstance(self.lookup_forks, bool) or not isinstance(self.lookup_forks, int) or self.lookup_forks < 0:
-            raise RequestError(f"lookup_forks must be a non-negative integer, got {self.lookup_forks!r}")
-        if self.backup not in ("auto", "jit", "ngram"):
-            raise RequestError(f"backup must be auto, jit or ngram, got {self.backup!r}")
-
-    @property
-    def tree_tokens(self) -> int:
-        """Tokens in the draft's largest tree step: K+1 glue tokens and K tokens for each of B branches."""
-        return self.draft_len + 1 + self.draft_len * self.fan_out_budget
-
-
+# -- settings: decoding/settings.SSD (K, the fan-out budget B, fork policy, C, backup, b*) ----------------
 class Saguaro:
     """``--mode ssd``."""
     name = "ssd"
     roles = ("target", "draft")
 
-    def plan(self, options, defaults) -> Plan:
-        draft_len = options.draft_len or defaults.ssd_draft_len
-        # the budget must cover K+1 guesses: grow the default with a K the caller chose
-        budget = max(defaults.ssd_fan_out_budget, draft_len + 1)
-        config = SaguaroConfig(**{"draft_len": draft_len, "fan_out_budget": budget, **options.ssd})
-        return Plan(draft_len=config.draft_len, headroom=config.tree_tokens, tree_tokens=config.tree_tokens,
-                    tree_what=f"an SSD tree step with K={config.draft_len} and fan-out budget "
-                              f"{config.fan_out_budget}", settings=config)
+    def resolve(self, settings: SSD, defaults) -> ResolvedMode:
+        settings = settings.resolved(defaults)
+        return ResolvedMode(self.name, settings, draft_len=settings.draft_len, headroom=settings.tree_tokens,
+                            tree_tokens=settings.tree_tokens,
+                            tree_what=f"an SSD tree step with K={settings.draft_len} and fan-out budget "
+                                      f"{settings.fan_out_budget}")
 
     def run(self, engines: Mapping[str, Engine], prompts: list[list[int]], seqs: Sequences,
-            rng: np.random.Generator, plan: Plan, placements: Mapping[str, ModelPlacement]) -> dict:
-        return generate_saguaro(engines["target"], engines["draft"], prompts, seqs, rng, plan.settings,
+            rng: np.random.Generator, resolved: ResolvedMode, placements: Mapping[str, ModelPlacement]) -> dict:
+        return generate_saguaro(engines["target"], engines["draft"], prompts, seqs, rng, resolved.settings,
                                 placements["draft"])
 
 
@@ -131,7 +99,7 @@ class SpeculationCache:
 class DraftWorker:
     """Owns the draft engine. Every method runs on the worker thread, one job at a time, in order."""
 
-    def __init__(self, draft: Engine, config: SaguaroConfig, params: SamplingParams, seed: int | None,
+    def __init__(self, draft: Engine, config: SSD, params: SamplingParams, seed: int | None,
                  cores: tuple[int, ...] | None) -> None:
         self.draft, self.config, self.params, self.cores = draft, config, params, cores
         self.rng = np.random.default_rng(None if seed is None else seed + 1)
@@ -152,10 +120,10 @@ class DraftWorker:
             self.history[row] += tokens
         hand_over(self.draft, verified)
 
-    def speculate(self, bonus: list[int], spec: Speculation, shapes: list[list[int]]) -> SpeculationCache:
+    def speculate(self, bonus: list[int], speculation: Speculation, shapes: list[list[int]]) -> SpeculationCache:
         """Steps 1-4 of the round for the speculation the target is verifying now."""
         started = time.perf_counter()
-        glue = [[bonus[row]] + [int(t) for t in spec.tokens[row]] for row in range(len(bonus))]
+        glue = [[bonus[row]] + [int(t) for t in speculation.tokens[row]] for row in range(len(bonus))]
         glue_logits = self._glue_decode(glue)                                        # 1.
         forks = [self._forks(row, glue_logits[row], glue[row], shapes[row]) for row in range(len(glue))]  # 2.
         tokens, dists = self._tree_decode(glue, forks, shapes)                       # 3.
@@ -215,24 +183,16 @@ class DraftWorker:
         return q.sample(self.rng), q
 
     def just_in_time(self, bonus: list[int], shapes: list[list[int]]) -> Speculation:
-        """Neural backup: draft K tokens after each row's new bonus token, synchronously."""
+        """Neural backup: draft K tokens after each row's new bonus token, synchronously (SD's draft loop,
+        drawing as the cache's branches do)."""
         K, batch = self.config.draft_len, len(bonus)
-        fed = [p + [b] for p, b in zip(self.pending, bonus)]       # pending prefix + the bonus token
-        logits = feed_ragged(self.draft, fed)
+        prefix = self.draft.lengths + np.array([len(p) for p in self.pending])     # without the bonus
+        fan_out = np.array([shapes[row][:K] for row in range(batch)])               # [B, K]: F at each position
+        tokens, dists = draft_tokens(self.draft, [p + [b] for p, b in zip(self.pending, bonus)], K,
+                                     lambda logits, i: self._draw(logits, fan_out[:, i]))
         self.pending = [[] for _ in bonus]
-        start = self.draft.lengths - 1                              # the prefix, without the bonus
-        tokens = np.zeros((batch, K), dtype=np.int64)
-        step_dists: list[TokenDistribution] = []
-        for i in range(K):
-            tokens[:, i], q = self._draw(logits, np.array([shapes[row][i] for row in range(batch)]))
-            if q is not None:
-                step_dists.append(q)
-            if i + 1 < K:
-                logits = self.draft.forward(tokens[:, i:i + 1], self.draft.lengths[:, None].astype(np.int64))[:, 0]
-        self.draft.rollback(start)   # drop bonus + drafted tokens: the next glue decode re-reads them
-        dists = TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None  # [K, B]
-        return Speculation(tokens, None if dists is None else [dists[:, row] for row in range(batch)],
-                           ["jit"] * batch)
+        self.draft.rollback(prefix)   # drop bonus + drafted tokens: the next glue decode re-reads them
+        return Speculation(tokens, dists, ["jit"] * batch)
 
 
 def tree_step_inputs(glue: list[list[int]], forks: list[list[tuple[int, int]]], branch_tokens: np.ndarray,
@@ -291,8 +251,10 @@ class Round:
 
 
 def generate_saguaro(target: Engine, draft: Engine, prompts: list[list[int]], seqs: Sequences,
-                     rng: np.random.Generator, config: SaguaroConfig,
+                     rng: np.random.Generator, config: SSD,
                      placement: ModelPlacement = ModelPlacement()) -> dict:
+    if config.draft_len is None or config.fan_out_budget is None:
+        raise ValueError(f"generate_saguaro needs resolved settings (SSD.resolved(defaults)), got {config}")
     params, batch, K = seqs.params, len(prompts), config.draft_len
     stats = RoundStats(mode="ssd", draft_len=K)
     use_jit = config.backup == "jit" or (config.backup == "auto" and batch < config.critical_batch)
@@ -319,30 +281,30 @@ def saguaro_rounds(state: Round, target: Engine, prompts: list[list[int]], seqs:
     draft_started = state.on_draft(state.worker.start, prompts)     # draft prefill overlaps target prefill
     bonus = first_tokens(target, prompts, seqs, rng)
     state.on_draft(state.worker.commit, [[] for _ in prompts], prompt_features(target, state.worker.draft, prompts))
-    spec = guarded(bonus, lambda: first_speculation(state, draft_started, bonus, batch, vocab))
+    speculation = guarded(bonus, lambda: first_speculation(state, draft_started, bonus, batch, vocab))
     while not seqs.all_done:
         t_submit = time.perf_counter()
         shapes = [state.planner.shape("primary")] * batch          # guesses for the *next* round
-        cache_future = state.on_draft(state.worker.speculate, bonus, spec, shapes)
+        cache_future = state.on_draft(state.worker.speculate, bonus, speculation, shapes)
         t_verify = time.perf_counter()                             # target: verify (draft: speculate)
-        outcomes = verify_and_commit(target, bonus, spec.tokens, spec.dists, seqs, rng, state.stats)
+        outcomes = verify_and_commit(target, bonus, speculation.tokens, speculation.dists, seqs, rng, state.stats)
         verified = chain_features(target, state.worker.draft, outcomes)   # now: the next target step overwrites them
         t_verified = time.perf_counter()
-        glue = accepted_glue(bonus, spec, outcomes)
+        glue = accepted_glue(bonus, speculation, outcomes)
         bonus = [previous if o is None else o.bonus for previous, o in zip(bonus, outcomes)]
         cache = guarded(bonus, lambda: validate_cache(state.result(cache_future), batch, K, vocab))
         t_looked_up = time.perf_counter()
         state.on_draft(state.worker.commit, glue, verified)
-        learn_fan_out(state.planner, cache, spec, outcomes)
-        next_spec, missed = look_up(cache, outcomes, seqs, K, state.use_jit, state.stats)
+        learn_fan_out(state.planner, cache, speculation, outcomes)
+        next_speculation, missed = look_up(cache, outcomes, seqs, K, state.use_jit, state.stats)
         if missed:
-            guarded(bonus, lambda: back_up(state, next_spec, missed, bonus, prompts, seqs, vocab))
+            guarded(bonus, lambda: back_up(state, next_speculation, missed, bonus, prompts, seqs, vocab))
         t_done = time.perf_counter()
         state.stats.add_time(draft_s=max(0.0, cache.finished - cache.started), verify_s=t_verified - t_verify,
                              wait_s=max(0.0, t_looked_up - t_verified) + (t_done - t_looked_up))
         timeline.append(round_record(len(timeline), seqs.started, t_submit, (t_verify, t_verified), cache,
-                                     batch - len(missed), t_done - t_looked_up, outcomes, spec.sources))
-        spec = next_spec
+                                     batch - len(missed), t_done - t_looked_up, outcomes, speculation.sources))
+        speculation = next_speculation
     summary = state.stats.summary()
     summary.update(overlap_summary(timeline))
     summary.update({"fan_out": state.planner.describe(), "timeline": timeline,
@@ -367,23 +329,23 @@ def first_speculation(state: Round, draft_started: Future, bonus: list[int], bat
                                 batch, state.worker.config.draft_len, vocab)
 
 
-def accepted_glue(bonus: list[int], spec: Speculation, outcomes: list[Outcome | None]) -> list[list[int]]:
+def accepted_glue(bonus: list[int], speculation: Speculation, outcomes: list[Outcome | None]) -> list[list[int]]:
     """Per row, the glue tokens now verified: t*_prev and s_1..s_k (nothing for finished rows). The new
     bonus tokens are not glue yet: they lead the next speculation."""
-    return [[] if o is None else [int(bonus[row])] + [int(t) for t in spec.tokens[row, :o.accepted]]
+    return [[] if o is None else [int(bonus[row])] + [int(t) for t in speculation.tokens[row, :o.accepted]]
             for row, o in enumerate(outcomes)]
 
 
-def learn_fan_out(planner: FanOutPlanner, cache: SpeculationCache, spec: Speculation,
+def learn_fan_out(planner: FanOutPlanner, cache: SpeculationCache, speculation: Speculation,
                   outcomes: list[Outcome | None]) -> None:
     """Where the bonus token fell among the draft's candidates: the data behind F_k's power law."""
-    K = spec.tokens.shape[1]
+    K = speculation.tokens.shape[1]
     for row, outcome in enumerate(outcomes):
         if outcome is None:
             continue
-        own_next = int(spec.tokens[row, outcome.accepted]) if outcome.accepted < K else None
+        own_next = int(speculation.tokens[row, outcome.accepted]) if outcome.accepted < K else None
         rank = bonus_rank(cache.glue_logits[row, outcome.accepted], own_next, outcome.bonus)
-        planner.curve(spec.sources[row]).observe(outcome.accepted, K, rank)
+        planner.curve(speculation.sources[row]).observe(outcome.accepted, K, rank)
 
 
 def look_up(cache: SpeculationCache, outcomes: list[Outcome | None], seqs: Sequences, draft_len: int,
@@ -410,27 +372,27 @@ def look_up(cache: SpeculationCache, outcomes: list[Outcome | None], seqs: Seque
     return Speculation(tokens, dists, sources), missed
 
 
-def back_up(state: Round, spec: Speculation, missed: list[int], bonus: list[int], prompts: list[list[int]],
+def back_up(state: Round, speculation: Speculation, missed: list[int], bonus: list[int], prompts: list[list[int]],
             seqs: Sequences, vocab: int) -> None:
-    """Fill the missed rows of ``spec`` in place: the neural draft just in time, or prompt lookup."""
-    batch, K = len(bonus), spec.tokens.shape[1]
+    """Fill the missed rows of ``speculation`` in place: the neural draft just in time, or prompt lookup."""
+    batch, K = len(bonus), speculation.tokens.shape[1]
     if state.use_jit:
         shapes = [state.planner.shape("backup")] * batch
         backup = validate_speculation(state.result(state.on_draft(state.worker.just_in_time, bonus, shapes)),
                                       batch, K, vocab)
     for row in missed:
         if state.use_jit:
-            spec.tokens[row] = backup.tokens[row]
-            if spec.dists is not None:
-                spec.dists[row] = backup.dists[row]
+            speculation.tokens[row] = backup.tokens[row]
+            if speculation.dists is not None:
+                speculation.dists[row] = backup.dists[row]
         else:      # a deterministic proposal: a point mass, still exact
-            spec.tokens[row] = ngram_proposal(prompts[row] + seqs.tokens[row], K)
-            if spec.dists is not None:
-                spec.dists[row] = TokenDistribution.point_mass(spec.tokens[row])
-        state.stats.backup_rounds[spec.sources[row]] += 1
-    if spec.dists is not None:   # finished rows keep a placeholder (their outcome is never committed)
-        spec.dists = [d if d is not None else TokenDistribution.point_mass(spec.tokens[row])
-                      for row, d in enumerate(spec.dists)]
+            speculation.tokens[row] = ngram_proposal(prompts[row] + seqs.tokens[row], K)
+            if speculation.dists is not None:
+                speculation.dists[row] = TokenDistribution.point_mass(speculation.tokens[row])
+        state.stats.backup_rounds[speculation.sources[row]] += 1
+    if speculation.dists is not None:   # finished rows keep a placeholder (their outcome is never committed)
+        speculation.dists = [d if d is not None else TokenDistribution.point_mass(speculation.tokens[row])
+                      for row, d in enumerate(speculation.dists)]
 
 
 def round_record(index: int, origin: float, submitted: float, verify: tuple[float, float], cache: SpeculationCache,
@@ -451,13 +413,13 @@ def validate_cache(cache: SpeculationCache, batch: int, draft_len: int, vocab: i
     return cache
 
 
-def validate_speculation(spec: Speculation, batch: int, draft_len: int, vocab: int) -> Speculation:
+def validate_speculation(speculation: Speculation, batch: int, draft_len: int, vocab: int) -> Speculation:
     """Refuse a just-in-time speculation of the wrong shape or with out-of-vocabulary tokens."""
-    tokens = np.asarray(spec.tokens)
+    tokens = np.asarray(speculation.tokens)
     if tokens.shape != (batch, draft_len) or (tokens.size and (tokens.min() < 0 or tokens.max() >= vocab)):
         raise ValueError(f"draft returned a malformed speculation (shape {tokens.shape}, expected "
                          f"{(batch, draft_len)}, tokens within 0..{vocab - 1})")
-    return spec
+    return speculation
 
 
 def finish_without_draft(target: Engine, seqs: Sequences, bonus: list[int], rng: np.random.Generator,

@@ -1,59 +1,55 @@
 """Standard speculative decoding: the draft proposes, the target verifies in one pass, alternating.
 
 Chain (the default): K draft tokens, verified with :func:`sampling.verify_chain` (``rounds.py``).
-Tree (``RuntimeOptions(tree_widths=...)``): ``decoding/speculative_tree.py``.
+Tree (``SD(tree_widths=...)``): ``decoding/speculative_tree.py``.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from ssd_trt.decoding.batch import Sequences, first_tokens
 from ssd_trt.decoding.feature_relay import chain_features, hand_over, prompt_features
-from ssd_trt.decoding.mode import Plan
+from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.rounds import verify_and_commit
 from ssd_trt.decoding.sampling import TokenDistribution, filter_logits
 from ssd_trt.decoding.speculative_tree import generate_tree_speculative, tree_nodes
 from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.engines.base import Engine
-from ssd_trt.engines.feature_draft import takes_target_features
 from ssd_trt.engines.feeding import feed_ragged
 from ssd_trt.engines.placement import ModelPlacement
 
 
-@dataclass(frozen=True)
-class SpeculativeSettings:
-    draft_len: int                       # K (chain)
-    tree_widths: tuple[int, ...] | None  # children per depth (tree verification), or None for a chain
-
-
 class Speculative:
-    """``--mode sd``."""
+    """``--mode sd`` (settings: ``decoding/settings.SD``)."""
     name = "sd"
     roles = ("target", "draft")
 
-    def plan(self, options, defaults) -> Plan:
-        settings = SpeculativeSettings(options.draft_len or defaults.sd_draft_len, options.tree_widths)
+    def resolve(self, settings, defaults) -> ResolvedMode:
+        settings = settings.resolved(defaults)
         headroom = tree_nodes(list(settings.tree_widths)) if settings.tree_widths else settings.draft_len + 1
-        return Plan(draft_len=settings.draft_len, headroom=headroom, settings=settings)
+        return ResolvedMode(self.name, settings, draft_len=settings.draft_len, headroom=headroom)
 
     def run(self, engines: Mapping[str, Engine], prompts: list[list[int]], seqs: Sequences,
-            rng: np.random.Generator, plan: Plan, placements: Mapping[str, ModelPlacement]) -> dict:
-        settings = plan.settings
+            rng: np.random.Generator, resolved: ResolvedMode, placements: Mapping[str, ModelPlacement]) -> dict:
+        settings = resolved.settings
         if settings.tree_widths:
             return generate_tree_speculative(engines["target"], engines["draft"], prompts, seqs, rng,
                                              list(settings.tree_widths))
         return generate_speculative(engines["target"], engines["draft"], prompts, seqs, rng, settings.draft_len)
 
 
-def draft_chain(draft, pending: list[list[int]], num_tokens: int, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[np.ndarray, list[TokenDistribution] | None]:
-    """Feed each row's pending tokens, then draft ``num_tokens`` more. Returns tokens [B,K] and, when
-    sampling, each row's K distributions the tokens were drawn from (every row drawn at once per step).
+Draw = Callable[[np.ndarray, int], tuple[np.ndarray, "TokenDistribution | None"]]
+
+
+def draft_tokens(draft, pending: list[list[int]], num_tokens: int, draw: Draw
+                 ) -> tuple[np.ndarray, list[TokenDistribution] | None]:
+    """The one draft loop (SD's chain, SSD's just-in-time backup): feed each row's pending tokens, then draft
+    ``num_tokens`` more, the i-th of every row at once by ``draw(logits [B, V], i) -> (tokens [B], q or None)``.
+    Returns tokens [B, K] and, when the draws were sampled, each row's K distributions they were drawn from.
 
     The last drafted token is not fed (the target verifies it first), so after this the draft's cache
     holds the pending tokens plus s_1..s_{K-1}.
@@ -63,18 +59,26 @@ def draft_chain(draft, pending: list[list[int]], num_tokens: int, params: Sampli
     step_dists: list[TokenDistribution] = []
     logits = feed_ragged(draft, pending)
     for i in range(num_tokens):
-        if params.greedy:
-            tokens[:, i] = np.argmax(logits, axis=-1)
-        else:
-            q = filter_logits(logits, params)
-            tokens[:, i] = q.sample(rng)
+        tokens[:, i], q = draw(logits, i)
+        if q is not None:
             step_dists.append(q)
         if i + 1 < num_tokens:
             logits = draft.forward(tokens[:, i:i + 1], draft.lengths[:, None].astype(np.int64))[:, 0]
-    if params.greedy:
+    if not step_dists:
         return tokens, None
     dists = TokenDistribution.stack(step_dists, draft.spec.vocab_size)          # [K, B]
     return tokens, [dists[:, row] for row in range(batch)]
+
+
+def draft_chain(draft, pending: list[list[int]], num_tokens: int, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[np.ndarray, list[TokenDistribution] | None]:
+    """SD's draft: :func:`draft_tokens` with the plain draws (argmax, or a draw from the filtered q)."""
+    def draw(logits: np.ndarray, _: int) -> tuple[np.ndarray, TokenDistribution | None]:
+        if params.greedy:
+            return np.argmax(logits, axis=-1), None
+        q = filter_logits(logits, params)
+        return q.sample(rng), q
+    return draft_tokens(draft, pending, num_tokens, draw)
 
 
 def generate_speculative(target: Engine, draft: Engine, prompts: list[list[int]], seqs: Sequences,
@@ -85,7 +89,7 @@ def generate_speculative(target: Engine, draft: Engine, prompts: list[list[int]]
     draft.reset(batch)
     bonus = first_tokens(target, prompts, seqs, rng)
     hand_over(draft, prompt_features(target, draft, prompts))   # a feature draft reads them (no-op otherwise)
-    refeed_verified = takes_target_features(draft)
+    refeed_verified = draft.takes_target_features
     pending = [list(p) + [b] for p, b in zip(prompts, bonus)]   # tokens the draft has not seen yet
     while not seqs.all_done:
         t0 = time.perf_counter()

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ssd_trt.engines.copy_mixture import CopyMixture, longest_match
+from ssd_trt.engines.copy_mixture import CopyMixture
+from ssd_trt.ngram import longest_match
 
 from .model import DraftModel
 from .teacher import Sample

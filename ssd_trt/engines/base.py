@@ -16,7 +16,8 @@ Step-graph I/O (identical for every backend, names shared with the exported ONNX
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from types import MappingProxyType
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -50,8 +51,34 @@ class EngineSpec:
     max_context: int
 
 
+class FeatureIO:
+    """The feature-pair (EAGLE-3) members of every engine, plain by default; an engine whose step does more says
+    so by overriding them, so nothing probes for them.
+
+    * a target exported for a feature draft: ``has_features``, and after each step ``last_features`` [B, T, F]
+      (the residual stream the draft reads; ``decoding/feature_relay.py`` hands it over);
+    * a feature draft's backend engine: ``extra_widths``, the width of each extra per-token input its step
+      takes (``EAGLE3_INPUTS``), and its output ``last_hidden`` (read by ``feature_draft.FeatureDraftEngine``);
+    * a draft that accepts the target's features of verified tokens: ``takes_target_features`` and
+      :meth:`receive_target_features` (``FeatureDraftEngine``, and the wrappers around one).
+    """
+    has_features: bool = False
+    last_features: np.ndarray | None = None
+    extra_widths: Mapping[str, int] = MappingProxyType({})
+    last_hidden: np.ndarray | None = None
+    takes_target_features: bool = False
+
+    def receive_target_features(self, row: int, first: int, features: np.ndarray) -> None:
+        raise TypeError(f"{type(self).__name__} is no feature draft: it takes no target features")
+
+
 class Engine(Protocol):
+    """Every engine also has :class:`FeatureIO`'s members (backends and wrappers inherit its plain defaults)."""
     spec: EngineSpec
+    has_features: bool
+    last_features: np.ndarray | None
+    extra_widths: Mapping[str, int]
+    takes_target_features: bool
 
     def reset(self, batch: int) -> None:
         """Start ``batch`` empty sequences (frees any previous cache)."""

@@ -6,7 +6,7 @@ names), which is where the target is most predictable. So the draft model used f
     q'(v) = (1 - lam_n) q(v) + lam_n [v == f]
 
 with q the neural draft's distribution, f the token that followed the most recent earlier occurrence
-of the longest suffix of the sequence (n tokens, n <= max_ngram; prompt lookup, :func:`longest_match`)
+of the longest suffix of the sequence (n tokens, n <= max_ngram; prompt lookup, ``ngram.longest_match``)
 and lam_n a weight per match length, fitted on held-out distillation data (``distill/copy_fit.py``;
 lam = 0 where no suffix recurs). This is a pointer-generator mixture (See et al. 2017, arXiv
 1704.04368) with a gate that reads only the match length.
@@ -28,28 +28,7 @@ import numpy as np
 from ssd_trt.engines.base import all_indices
 from ssd_trt.engines.token_mirror import TokenMirrorEngine
 from ssd_trt.errors import ArtifactError
-
-
-def longest_match(context: np.ndarray, max_ngram: int) -> tuple[int, int] | None:
-    """(follower, n) for the most recent earlier occurrence of the longest suffix of ``context``
-    (n <= ``max_ngram`` tokens) that is followed by a token; None when even the last token is new.
-
-    Grows the match one token at a time over the surviving candidates only, so a lookup costs a few
-    vector compares on a shrinking set instead of one full scan per n-gram size.
-    """
-    if len(context) < 2:
-        return None
-    ends = np.flatnonzero(context[:-1] == context[-1])     # s: context[s] == last token, s+1 exists
-    if not len(ends):
-        return None
-    size = 1
-    while size < max_ngram:
-        longer = ends[ends >= size]
-        longer = longer[context[longer - size] == context[-1 - size]]
-        if not len(longer):
-            break
-        ends, size = longer, size + 1
-    return int(context[ends[-1] + 1]), size
+from ssd_trt.ngram import longest_match
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,11 +48,8 @@ class EngineSet:
     def get(self, role: str) -> Engine:
         if role not in self.opened:
             backend = self.backend(role)
-            engine = open_engine(self.root, self.manifest, role, self.placements[role], backend,
-                                 self.editions.get(role, (None, ""))[0])
-            if role == "draft" and self.copy_mixture is not None:
-                engine = CopyMixtureEngine(engine, self.copy_mixture)
-            self.opened[role] = engine
+            self.opened[role] = open_engine(self.root, self.manifest, role, self.placements[role], backend,
+                                            self.editions.get(role, (None, ""))[0], self.copy_mixture)
         return self.opened[role]
 
     def backend(self, role: str) -> str:
@@ -125,12 +122,16 @@ class EngineSet:
 
 
 def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
-                edition: str | None = None) -> Engine:
-    """The role's engine on ``backend`` (ort | trt | torch), placed as asked; ``edition``: which TensorRT plan."""
+                edition: str | None = None, copy_mixture: CopyMixture | None = None) -> Engine:
+    """The role's engine on ``backend`` (ort | trt | torch), placed as asked; ``edition``: which TensorRT plan.
+    The one place engine wrappers are stacked: a feature (EAGLE-3) draft's backend engine inside
+    ``FeatureDraftEngine`` (which features each token carries), then the draft's copy component around it."""
     engine = _backend_engine(root, manifest, role, placement, backend, edition)
-    if role == "draft" and manifest.recipe.draft.kind == "eagle3":
-        return feature_draft_engine(engine, root)
-    return engine
+    if role != "draft":
+        return engine
+    if manifest.recipe.draft.kind == "eagle3":
+        engine = feature_draft_engine(engine, root)
+    return engine if copy_mixture is None else CopyMixtureEngine(engine, copy_mixture)
 
 
 def _backend_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
@@ -155,7 +156,7 @@ def _backend_engine(root: Path, manifest: Manifest, role: str, placement: ModelP
 def feature_draft_engine(engine, root: Path) -> Engine:
     """An EAGLE-3 draft's engine (any backend) behind ``FeatureDraftEngine``: which features each token carries."""
     from ssd_trt.engines.feature_draft import FeatureDraftEngine
-    widths = getattr(engine, "extra_widths", {})
+    widths = engine.extra_widths
     if set(widths) != {"features", "draft_hidden"}:
         raise ArtifactError(f"the draft in {root} is an eagle3 draft but its engine takes no static features / "
                             f"draft_hidden inputs ({sorted(widths)}); rebuild")

@@ -51,11 +51,6 @@ from ssd_trt.engines.token_mirror import TokenMirrorEngine
 PATH_WINDOW = 4 * MAX_DRAFT_LEN + 4
 
 
-def takes_target_features(engine) -> bool:
-    """Whether ``engine`` (possibly wrapped, e.g. in its copy component) is a feature draft."""
-    return bool(getattr(engine, "takes_target_features", False))
-
-
 class FeatureDraftEngine(TokenMirrorEngine):
     """Wraps an engine whose step takes ``features``, ``draft_hidden``, ``from_target`` and returns ``hidden``
     (``forward(..., extra=)`` and ``last_hidden`` of ``OrtEngine`` and ``DeviceStepEngine``: ONNX Runtime, TensorRT,

@@ -16,11 +16,11 @@ import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
 from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, \
-    EngineSpec, all_indices, check_room, past_names, present_names
+    EngineSpec, FeatureIO, all_indices, check_room, past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
 
 
-class OrtEngine:
+class OrtEngine(FeatureIO):
     def __init__(self, onnx_path: Path, spec: EngineSpec, threads: int = 1,
                  cores: Sequence[int] | None = None, spin: bool = True, int8_activations: bool = False) -> None:
         """``spin=False`` stops idle intra-op threads from spin-waiting: needed when another session
@@ -34,7 +34,7 @@ class OrtEngine:
         with a second, discarded row: every step takes the multi-row kernel, and a verification of K+1
         tokens computes exactly what K+1 decode steps compute (SD/SSD token-identical to AR). The extra
         row costs ~10% of a decode step (18.8 -> 20.8 ms, SmolLM2-135M, one core; both numbers from
-        scripts/measure_row_exact.py); the KV cache keeps one scratch slot beyond max_context for it."""
+        research/cpu/measure_row_exact.py); the KV cache keeps one scratch slot beyond max_context for it."""
         import onnxruntime as ort
         self.spec = spec
         self.pad_single_rows = int8_activations

@@ -12,12 +12,14 @@ from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.engines.base import EngineSpec
+from ssd_trt.engines.base import EngineSpec, FeatureIO
 
 
-class TokenMirrorEngine:
+class TokenMirrorEngine(FeatureIO):
     """Base of the wrappers: ``inner`` is any engine; subclasses override ``forward`` and call
-    :meth:`_record` after the inner step (with the cache lengths from before it)."""
+    :meth:`_record` after the inner step (with the cache lengths from before it). A wrapper presents the plain
+    step (no extra inputs, no features of its own) and passes the target's features through to a feature
+    draft beneath it."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -56,7 +58,9 @@ class TokenMirrorEngine:
         self.inner.keep(row, start, offsets)
         self._slots[row, start:start + len(offsets)] = self._slots[row, [start + o for o in offsets]]
 
-    def __getattr__(self, name: str):       # close(), backend-specific extras
-        if name == "inner":                 # not set yet (e.g. mid-copy): no recursion through __getattr__
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    @property
+    def takes_target_features(self) -> bool:
+        return self.inner.takes_target_features
+
+    def receive_target_features(self, row: int, first: int, features: np.ndarray) -> None:
+        self.inner.receive_target_features(row, first, features)

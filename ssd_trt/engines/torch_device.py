@@ -5,7 +5,7 @@ This is the GPU runtime without TensorRT: the same :class:`~ssd_trt.engines.devi
 the step enqueued by the :class:`~ssd_trt.models.decoder.Decoder` that the exporters trace, its
 ``ssd::tree_attention`` replaced by the Triton kernel that the TensorRT plugin compiles ahead of time
 (``plugins/tree_attention/triton_kernel.py``, ``inplace=True``). It is the runtime's ``torch`` backend
-(``generate --backend torch``), what ``scripts/gpu_runtime_check.py`` checks on a GPU, and what the
+(``generate --backend torch``), what ``research/gpu/gpu_runtime_check.py`` checks on a GPU, and what the
 tests run on CPU (the kernel then runs in the Triton interpreter, every step eagerly).
 """
 from __future__ import annotations

@@ -24,10 +24,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.detokenize import Detokenizer
 from ssd_trt.errors import RequestError, SsdTrtError
-from ssd_trt.runtime import MODES, Generator, RuntimeOptions
+from ssd_trt.runtime import DEFAULT_MODE, MODES, Generator, RuntimeOptions
 
-DEFAULT_MODE = "ssd"
 OPTIONAL_INPUTS = ("temperature", "top_p", "top_k", "random_seed", "stream", "mode", "chat")
 WARMUP_PROMPT = "Hello"
 
@@ -48,32 +48,6 @@ class Job:
         if not self.params.greedy:
             return None
         return self.mode, replace(self.params, seed=None)
-
-
-class Detokenizer:
-    """Incremental text for streamed token chunks: the pieces concatenate to the final decoded text.
-
-    Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or when the decoding of
-    the longer prefix does not extend what was already sent.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def push(self, token_ids: list[int]) -> str:
-        self.tokens += token_ids
-        return self._advance(self._decode(self.tokens), final=False)
-
-    def finish(self, final_text: str) -> str:
-        return self._advance(final_text, final=True)
-
-    def _advance(self, text: str, final: bool) -> str:
-        if (not final and text.endswith("\ufffd")) or not text.startswith(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
 
 
 def _one_value(request, pb_utils, name: str, required: bool = False):
@@ -276,8 +250,7 @@ class ModelServer:
         if not live:
             return
         jobs = live
-        decode = lambda ids: self.generator.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        streams = [Detokenizer(decode) if job.stream else None for job in jobs]
+        streams = [Detokenizer.of(self.generator.tokenizer) if job.stream else None for job in jobs]
 
         def on_tokens(row: int, token_ids: list[int]) -> None:
             detok = streams[row]

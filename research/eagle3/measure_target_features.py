@@ -1,6 +1,6 @@
 """What returning its hidden states for a feature (EAGLE-3) draft costs the target, measured.
 
-    python scripts/measure_target_features.py build/smollm2-135m --out docs/bench/target_features.json
+    python research/eagle3/measure_target_features.py build/smollm2-135m --out docs/bench/target_features.json
 
 The build's target is exported twice the way the build exports it (its block weights, its activations),
 once as is and once also returning the residual stream entering layers 2, L/2 and L-3 (``features``,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def export(model, recipe_model, source, out: Path) -> Path:

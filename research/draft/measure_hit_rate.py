@@ -1,6 +1,6 @@
 """SSD cache hit rate at temperature 0 on the project's prompt set, by draft length K and fan-out budget B.
 
-    python scripts/measure_hit_rate.py build/smollm2-135m --prompts 108 --tokens 64 --k 1,2 --budget 16,24
+    python research/draft/measure_hit_rate.py build/smollm2-135m --prompts 108 --tokens 64 --k 1,2 --budget 16,24
 
 Greedy SSD on round-robin prompts of every category (chat template), one request at a time; prints
 and writes (``--out``) the pooled hit rate (hits / rounds) and mean accepted tokens per round, with
@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import ssd_trt  # noqa: E402
 from ssd_trt.bench.prompts import round_robin  # noqa: E402
-from ssd_trt.bench.runner import run_engine  # noqa: E402
+from ssd_trt.bench.runner import LoadedBuilds, run_engine  # noqa: E402
 from ssd_trt.bench.settings import PAPER_STYLE  # noqa: E402
 
 
@@ -39,14 +39,15 @@ def main() -> None:
     prompts = round_robin(a.prompts)
     params = ssd_trt.SamplingParams(max_new_tokens=a.tokens)
     encoded = [ssd_trt.load(a.build_dir).encode(p.prompt, chat=True) for p in prompts]
-    reference = run_engine(a.build_dir, PAPER_STYLE, "ar", prompts, encoded, params)
+    builds = LoadedBuilds()
+    reference = run_engine(builds, a.build_dir, PAPER_STYLE, ssd_trt.AR(), prompts, encoded, params)
     rows = []
     variants = [json.loads(v) for v in a.ssd] if a.ssd else [{}]
     for variant, k, budget in itertools.product(variants, (int(x) for x in a.k.split(",")),
                                                 (int(x) for x in a.budget.split(","))):
         started = time.perf_counter()
-        runs = run_engine(a.build_dir, PAPER_STYLE, "ssd", prompts, encoded, params, draft_len=k,
-                          ssd={**variant, "fan_out_budget": budget}, label=f"ssd K={k} B={budget} {variant}")
+        runs = run_engine(builds, a.build_dir, PAPER_STYLE, ssd_trt.SSD(draft_len=k, fan_out_budget=budget, **variant),
+                          prompts, encoded, params, label=f"ssd K={k} B={budget} {variant}")
         # pooled over rounds (hits / rounds), not a mean of per-prompt rates
         rounds = sum(r.stats["rounds"] for r in runs)
         hits = sum((r.stats["cache_hit_rate"] or 0.0) * r.stats["rounds"] for r in runs)

@@ -20,11 +20,11 @@ Each pilot is short (minutes on 2 cores) and compares against a baseline run the
             `python -m ssd_trt.distill` work directories (e.g. drafts of different depth trained
             from scratch on the same teacher data, so they share one held-out set)  -> a PNG
 
-  python scripts/draft_lever_pilots.py data --out runs/pilots/a --seed 0
-  python scripts/draft_lever_pilots.py finetune --data runs/pilots/a --loss soft --out runs/pilots/ft_soft
-  python scripts/draft_lever_pilots.py evaluate --draft runs/pilots/ft_soft
-  python scripts/draft_lever_pilots.py datastore --data runs/pilots/a
-  python scripts/draft_lever_pilots.py curves runs/distill/scratch5 runs/distill/scratch10 --png curves.png
+  python research/draft/draft_lever_pilots.py data --out runs/pilots/a --seed 0
+  python research/draft/draft_lever_pilots.py finetune --data runs/pilots/a --loss soft --out runs/pilots/ft_soft
+  python research/draft/draft_lever_pilots.py evaluate --draft runs/pilots/ft_soft
+  python research/draft/draft_lever_pilots.py datastore --data runs/pilots/a
+  python research/draft/draft_lever_pilots.py curves runs/distill/scratch5 runs/distill/scratch10 --png curves.png
 """
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ssd_trt.engines.copy_mixture import longest_match  # noqa: E402
+from ssd_trt.ngram import longest_match  # noqa: E402
 from ssd_trt.distill import magpie  # noqa: E402
 from ssd_trt.distill.copy_fit import read_copy_mixture  # noqa: E402
 from ssd_trt.distill.evaluate import load_prompt_file, target_continuations  # noqa: E402

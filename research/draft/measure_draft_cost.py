@@ -4,7 +4,7 @@ steps at a 100-token context, interleaved so machine load affects both alike).
 The draft is measured as the runtime uses it, copy component included, on two contexts: fresh tokens
 (no suffix recurs: the copy lookup finds nothing) and a repeating 20-token pattern (every step
 matches 8 tokens and mixes the follower in: its worst case).
-Run: python scripts/measure_draft_cost.py build/smollm2-135m"""
+Run: python research/draft/measure_draft_cost.py build/smollm2-135m"""
 import sys
 import time
 

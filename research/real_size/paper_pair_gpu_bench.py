@@ -1,6 +1,6 @@
 """AR, SD and SSD at real size on a GPU: the paper's pair shapes, acceptance set by an oracle draft.
 
-``python -m ssd_trt.bench.real_size --out real_size.json`` builds random-weight models of the exact
+``python research/real_size/paper_pair_gpu_bench.py --out real_size.json`` builds random-weight models of the exact
 Llama-3.1-8B (target) and Llama-3.2-1B (draft) configs on the GPU in bf16 (or loads real checkpoints with
 ``--target DIR --draft DIR``), runs them on the torch GPU runtime (``engines/torch_device.py``: the Triton
 tree-attention kernel, CUDA graphs, the draft on its own GPU when there are two, else on its own stream) and
@@ -28,16 +28,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ssd_trt.decoding.autoregressive import generate_autoregressive
-from ssd_trt.decoding.batch import Sequences
-from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro
-from ssd_trt.decoding.speculative import generate_speculative
-from ssd_trt.engines.limits import EngineLimits
-from ssd_trt.engines.token_mirror import TokenMirrorEngine
-from ssd_trt.models.config import DecoderConfig
-from ssd_trt.models.decoder import Decoder, rope_inverse_frequencies
-from ssd_trt.recipe import ssd_tree_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from ssd_trt.decoding.autoregressive import generate_autoregressive  # noqa: E402
+from ssd_trt.decoding.batch import Sequences  # noqa: E402
+from ssd_trt.decoding.params import SamplingParams  # noqa: E402
+from ssd_trt.decoding.saguaro import generate_saguaro  # noqa: E402
+from ssd_trt.decoding.settings import SSD, ssd_tree_tokens  # noqa: E402
+from ssd_trt.decoding.speculative import generate_speculative  # noqa: E402
+from ssd_trt.engines.limits import EngineLimits  # noqa: E402
+from ssd_trt.engines.token_mirror import TokenMirrorEngine  # noqa: E402
+from ssd_trt.models.config import DecoderConfig  # noqa: E402
+from ssd_trt.models.decoder import Decoder, rope_inverse_frequencies  # noqa: E402
 
 
 def _llama3_rope(factor: float) -> dict:
@@ -121,7 +123,7 @@ class Run:
 
 
 def run_mode(mode: str, target, draft, prompts: list[list[int]], new_tokens: int, draft_len: int,
-             ssd: SaguaroConfig) -> Run:
+             ssd: SSD) -> Run:
     params = SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False)
     seqs = Sequences(params, frozenset(), len(prompts))
     rng = np.random.default_rng(0)
@@ -155,7 +157,7 @@ def bench(args: argparse.Namespace) -> dict:
             models[role] = load_decoder(resolve_source(source), dtype)[0]
         else:
             models[role] = random_model(config, where, dtype, seed)
-    ssd = SaguaroConfig(draft_len=args.ssd_k, fan_out_budget=args.ssd_budget)
+    ssd = SSD(draft_len=args.ssd_k, fan_out_budget=args.ssd_budget)
     tree = ssd_tree_tokens(args.ssd_k, args.ssd_budget)
     # room for the last round's verification and the draft's tree step past the last committed token
     context = args.prompt_tokens + args.new_tokens + tree + 2 * (max(args.sd_k, args.ssd_k) + 1)
@@ -203,7 +205,7 @@ def bench(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ssd_trt.bench.real_size", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="research/real_size/paper_pair_gpu_bench.py", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b/llama-3.2-1b")
     parser.add_argument("--target", help="a real HF checkpoint dir instead of random weights of the preset's shape")
     parser.add_argument("--draft", help="a real HF checkpoint dir for the draft")
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("python -m ssd_trt.bench.real_size: error: no CUDA device (use --preset tiny --device cpu for a dry "
+        print("paper_pair_gpu_bench.py: error: no CUDA device (use --preset tiny --device cpu for a dry "
               "run of the code path)", file=sys.stderr)
         return 2
     results = bench(args)

@@ -1,7 +1,7 @@
 """Where the time of a step goes, for docs/cpu_speed.md's profiles.
 
-    python scripts/profile_step.py build/smollm2-135m            # ONNX Runtime: one target decode step
-    python scripts/profile_step.py build/smollm2-135m --ssd      # py-spy: SSD's target and draft threads
+    python research/cpu/profile_step.py build/smollm2-135m            # ONNX Runtime: one target decode step
+    python research/cpu/profile_step.py build/smollm2-135m --ssd      # py-spy: SSD's target and draft threads
 
 The first runs 30 decode steps (one core) through a profiling ONNX Runtime session over the build's target
 graph and prints the kernel time per op type (profiling inflates a step; read the shares). The second
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 SSD_RUN = r"""
 import sys, ssd_trt
 from ssd_trt.bench.prompts import load_prompts
 from ssd_trt.bench.settings import PAPER_STYLE
-gen = ssd_trt.load(sys.argv[1], PAPER_STYLE.options("ssd", None))
+gen = ssd_trt.load(sys.argv[1], PAPER_STYLE.options("ssd"))
 for p in load_prompts()[:6]:
     gen.generate_ids([gen.encode(p.prompt, chat=True)], ssd_trt.SamplingParams(max_new_tokens=128), mode="ssd")
 """
@@ -98,7 +98,8 @@ def main() -> int:
     parser.add_argument("build", type=Path)
     parser.add_argument("--ssd", action="store_true", help="py-spy SSD's threads instead of one decode step")
     args = parser.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d')} python scripts/profile_step.py {args.build}{' --ssd' if args.ssd else ''}")
+    print(f"# {time.strftime('%Y-%m-%d')} python research/cpu/profile_step.py {args.build}"
+          f"{' --ssd' if args.ssd else ''}")
     ssd_thread_profile(args.build) if args.ssd else decode_step_profile(args.build)
     return 0
 

@@ -1,9 +1,9 @@
 """Drafts with different weights on the same target: step time and SD acceptance.
 
-    python scripts/measure_draft_weights.py build/smollm2-135m build/smollm2-135m-int4draft \
+    python research/cpu/measure_draft_weights.py build/smollm2-135m build/smollm2-135m-int4draft \
         --out docs/bench/draft_weights.json
 
-Per build: the draft's decode (1 token) and 3-token step times on one core (scripts/measure_weights.py's
+Per build: the draft's decode (1 token) and 3-token step times on one core (research/cpu/measure_weights.py's
 step timing) and greedy SD's mean accepted tokens per round over 30 round-robin prompts x 32 tokens.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # measure_weights.py, next to this one
 from measure_weights import step_times  # noqa: E402
 
 

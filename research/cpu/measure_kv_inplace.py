@@ -1,5 +1,6 @@
 """Measure whether ONNX Runtime re-copies the KV cache per step: ScatterElements with its output bound
-to the input's memory (what OrtEngine does) vs a separate output buffer. Run: python scripts/measure_kv_inplace.py"""
+to the input's memory (what OrtEngine does) vs a separate output buffer.
+Run: python research/cpu/measure_kv_inplace.py"""
 import numpy as np, onnxruntime as ort, time
 from onnx import helper, TensorProto
 S = 8192

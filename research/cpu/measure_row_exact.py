@@ -1,6 +1,6 @@
 """Why the ONNX Runtime engine feeds one-token steps as two rows with int8 activations, measured.
 
-    python scripts/measure_row_exact.py build/smollm2-135m --out docs/bench/row_exact.json
+    python research/cpu/measure_row_exact.py build/smollm2-135m --out docs/bench/row_exact.json
 
 On the build's target (one core): after a 40-token prefix, 3 tokens are computed as one 3-token step and
 as three 1-token steps, with and without the padding row; prints the largest logit difference to the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> int:

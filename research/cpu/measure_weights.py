@@ -1,6 +1,6 @@
 """Builds of one pair with different weights, side by side: speed, memory and greedy parity.
 
-    python scripts/measure_weights.py build/smollm2-135m-fp32 build/smollm2-135m-4bit-fp32act \
+    python research/cpu/measure_weights.py build/smollm2-135m-fp32 build/smollm2-135m-4bit-fp32act \
         build/smollm2-135m --out docs/bench/weights.json
 
 For each build (the first is the reference): the target's decode (1 token) and verification (K+1 = 3
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOGITS = Path("/tmp/measure_weights_logits")
 sys.path.insert(0, str(ROOT))
 from ssd_trt.bench.runner import agreement  # noqa: E402

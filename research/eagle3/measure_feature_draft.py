@@ -1,6 +1,6 @@
 """A draft's first-token agreement and the exactness of greedy SD / SSD on the real pair, measured.
 
-    python scripts/measure_feature_draft.py build/smollm2-135m-eagle3 --out docs/bench/eagle3.json
+    python research/eagle3/measure_feature_draft.py build/smollm2-135m-eagle3 --out docs/bench/eagle3.json
 
 * agreement: greedy SD with K = 1 on the target's own path: every round proposes one token and the target
   accepts it exactly when it is the target's greedy token, so the pooled acceptance over all rounds is the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def pooled_acceptance(stats: list[dict]) -> tuple[float, int]:

@@ -1,4 +1,4 @@
-"""scripts/eagle3_gap.py: the feature draft's distance from issue 19's targets, from the repository's own
+"""research/eagle3/eagle3_gap.py: the feature draft's distance from issue 19's targets, from the repository's own
 measurements. The fit, the data it would take and the speed bounds must be the formulas its docstring states,
 applied to the numbers in the artifacts (not copies of them)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from tests.helpers import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "eagle3_gap.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "research" / "eagle3" / "eagle3_gap.py"
 
 
 def test_the_log_fit_recovers_a_known_line():

@@ -1,7 +1,7 @@
 """What the TensorRT for RTX build of a recipe produced, and why its plans are bf16, as an artifact.
 
     python -m ssd_trt.build recipes/smollm2-135m.yaml --force     # with pip install -e '.[rtx]'
-    python scripts/measure_rtx_build.py build/smollm2-135m --out docs/bench/tensorrt_rtx.json
+    python research/gpu/measure_rtx_build.py build/smollm2-135m --out docs/bench/tensorrt_rtx.json
 
 Records, from the build's manifest: each plan's size, build time, compute capabilities, precision and
 profiles, the total build time, and the ONNX Runtime check of the native-attention graph; from TensorRT
@@ -20,7 +20,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def layer_kinds(onnx_path: Path) -> dict[str, int]:
@@ -134,7 +134,7 @@ def main() -> int:
             "ort_check_of_native_graph": {k: validation.get(k) for k in
                                           ("checked_as", "max_abs_error", "same_nodes_as_twin", "passed")}}
     prompts = [json.loads(line)["prompt"] for line in
-               (Path(__file__).resolve().parents[1] / "ssd_trt/bench/prompts/tuning.jsonl").read_text().splitlines()
+               (Path(__file__).resolve().parents[2] / "ssd_trt/bench/prompts/tuning.jsonl").read_text().splitlines()
                if line.strip()][: args.prompts]
     result["precision"] = precision_check(args.build, prompts)
     result["fp32_plans"] = fp32_plans(args.build, "sm89")

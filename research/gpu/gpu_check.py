@@ -16,7 +16,7 @@ Runs in well under 5 minutes and prints one table:
 Needs only ``plugins/`` and this script (a few hundred KB). Exit code 0 when every check passes, 1
 when one fails, 2 when there is no CUDA device.
 
-    python scripts/gpu_check.py [--json results.json] [--iters 50]
+    python research/gpu/gpu_check.py [--json results.json] [--iters 50]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from plugins.tree_attention.reference import attention_mask, pack_tree_mask, tree_attention_reference  # noqa: E402
 from plugins.tree_attention.triton_kernel import tree_attention  # noqa: E402

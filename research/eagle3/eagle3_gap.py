@@ -1,10 +1,10 @@
 """Issue 19: how far the feature draft is from its acceptance targets, and what reaching them would take,
 computed only from measurements already in the repository.
 
-    python scripts/eagle3_gap.py --out docs/bench/eagle3_gap
+    python research/eagle3/eagle3_gap.py --out docs/bench/eagle3_gap
 
 **Agreement against data.** Each training stage of the shipped head (its model card) added data and steps,
-and the first-token agreement measured in the engine (``scripts/measure_feature_draft.py``) rose with it.
+and the first-token agreement measured in the engine (``research/eagle3/measure_feature_draft.py``) rose with it.
 Fit ``a(N) = a0 + b ln N`` over the stages (N: training positions); solving ``a(N*) = target`` gives
 ``N* = N_last exp((target - a_fit(N_last)) / b)``. Two fits bracket the answer: over every stage (steeper:
 from stage 1 to 2 the number of steps also grew 2.7x) and over the last two (the slope now). The time N*
@@ -37,7 +37,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CARD = ROOT / "recipes" / "drafts" / "smollm2-135m-eagle3"
 BENCH = ROOT / "docs" / "bench"
 # stage -> (its training metrics, its engine agreement); stage 1's engine number is its network with the copy
@@ -180,7 +180,7 @@ def main() -> int:
     rows = stage_rows(metrics)
     speed = rates(metrics[4], metrics[3])
     gap = agreement_gap(rows, speed)
-    report = {"command": "python scripts/eagle3_gap.py --out " + str(args.out), "stages": rows, "rates": speed,
+    report = {"command": "python research/eagle3/eagle3_gap.py --out " + str(args.out), "stages": rows, "rates": speed,
               "budget_minutes": BUDGET_MINUTES, "spent_minutes": SPENT_MINUTES, "agreement": gap,
               "speed": speed_bounds(json.loads(RESULTS.read_text()))}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,10 @@ checkpoints come), a recipe, runs ``python -m ssd_trt.build`` on it under ``/usr
 the build's wall time, its peak resident set (the kernel's count for the whole build process, TensorRT for RTX
 included) against the checkpoint's bytes, the manifest's memory plan, checks and artifact sizes, in one JSON.
 
-    python scripts/measure_real_size_build.py --pair llama-1b --out docs/bench/real_size/llama_1b_ort.json
-    python scripts/measure_real_size_build.py --pair llama-1b --tensorrt rtx --out .../llama_1b_rtx.json
-    python scripts/measure_real_size_build.py --pair llama-3.1-8b --out docs/bench/real_size/llama_8b_ort.json
+    python research/real_size/measure_real_size_build.py --pair llama-1b --out docs/bench/real_size/llama_1b_ort.json
+    python research/real_size/measure_real_size_build.py --pair llama-1b --tensorrt rtx --out .../llama_1b_rtx.json
+    python research/real_size/measure_real_size_build.py --pair llama-3.1-8b \
+        --out docs/bench/real_size/llama_8b_ort.json
 
 ``--record-only`` reads a finished ``--work`` directory (its ``build.log`` from the same command) instead of
 building again. Pairs: ``llama-1b`` (the Llama-3.2-1B body with SmolLM2's 49152-token vocabulary, 3 shards;
@@ -28,10 +29,11 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ssd_trt.bench.real_size import PRESETS  # noqa: E402
+from paper_pair_gpu_bench import PRESETS  # noqa: E402  (this folder's GPU bench: the pair shapes)
 from ssd_trt.models.checkpoint import Checkpoint  # noqa: E402
 from tests.helpers import LLAMA_1B_BODY, cut_copy, write_random_checkpoint  # noqa: E402
 
@@ -118,7 +120,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     work = args.work or Path(f"/tmp/ssd-trt-{args.pair}")
-    command = f"python scripts/measure_real_size_build.py --pair {args.pair} --tensorrt {args.tensorrt}"
+    command = f"python research/real_size/measure_real_size_build.py --pair {args.pair} --tensorrt {args.tensorrt}"
     if not args.record_only:
         work.mkdir(parents=True, exist_ok=True)
         started = time.time()

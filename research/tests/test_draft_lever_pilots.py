@@ -1,4 +1,4 @@
-"""The loss variants of scripts/draft_lever_pilots.py are the ones the model card describes."""
+"""The loss variants of research/draft/draft_lever_pilots.py are the ones the model card describes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,7 @@ from ssd_trt.distill.model import DraftConfig, DraftModel
 from ssd_trt.distill.train import kd_loss
 from tests.helpers import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_lever_pilots.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "research" / "draft" / "draft_lever_pilots.py"
 
 
 def batch(seed: int = 0):

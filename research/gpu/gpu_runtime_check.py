@@ -22,8 +22,8 @@ tree-attention Triton kernel in place. Three parts, one JSON:
    SmolLM2-135M's shape, the draft, and Llama-3.2-1B's shape (bf16; random weights: speed does not
    depend on them), after a 512-token prefill; CUDA-event milliseconds per step.
 
-    python scripts/gpu_runtime_check.py --json gpu_runtime.json
-    python scripts/gpu_runtime_check.py --device cpu --smoke     # dry run of the code path on CPU
+    python research/gpu/gpu_runtime_check.py --json gpu_runtime.json
+    python research/gpu/gpu_runtime_check.py --device cpu --smoke     # dry run of the code path on CPU
 
 Exit code 0 when parity and losslessness hold, 1 when one fails, 2 when there is no CUDA device.
 """
@@ -40,13 +40,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ssd_trt.decoding.autoregressive import generate_autoregressive  # noqa: E402
 from ssd_trt.decoding.batch import Sequences  # noqa: E402
 from ssd_trt.decoding.params import SamplingParams  # noqa: E402
-from ssd_trt.decoding.saguaro import SaguaroConfig, generate_saguaro  # noqa: E402
+from ssd_trt.decoding.saguaro import generate_saguaro  # noqa: E402
+from ssd_trt.decoding.settings import SSD as SSDSettings  # noqa: E402
 from ssd_trt.decoding.speculative import generate_speculative  # noqa: E402
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine  # noqa: E402
 from ssd_trt.engines.device_step import place_draft_and_target  # noqa: E402
@@ -56,13 +57,13 @@ from ssd_trt.models.config import DecoderConfig  # noqa: E402
 from ssd_trt.models.decoder import Decoder  # noqa: E402
 from ssd_trt.models.loading import load_decoder  # noqa: E402
 from ssd_trt.models.sources import resolve_source  # noqa: E402
-from ssd_trt.recipe import ssd_tree_tokens  # noqa: E402
+from ssd_trt.decoding.settings import ssd_tree_tokens  # noqa: E402
 from ssd_trt.engines.limits import EngineLimits  # noqa: E402
 
 DRAFT_DIR = ROOT / "recipes" / "drafts" / "smollm2-135m-draft"
 TOKENIZER_DIR = ROOT / "build" / "smollm2-135m" / "tokenizer"
 PROMPTS = ROOT / "ssd_trt" / "bench" / "prompts" / "default.jsonl"
-SSD = SaguaroConfig(draft_len=2, fan_out_budget=16)
+SSD = SSDSettings(draft_len=2, fan_out_budget=16)
 LIMITS = EngineLimits(max_batch=32, max_context=1024, max_draft_len=SSD.draft_len,
                        max_tree_size=ssd_tree_tokens(SSD.draft_len, SSD.fan_out_budget))
 SHAPES = {  # name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab)
@@ -263,7 +264,7 @@ def timing(device: str, iters: int, smoke: bool, draft: Decoder) -> list[dict]:
         networks.update({name: random_network(shape, device) for name, shape in SHAPES.items()})
     rows = []
     dtype = torch.float32 if smoke else torch.bfloat16
-    limits = LIMITS if not smoke else replace(LIMITS, max_context=64, max_batch=4)
+    limits = LIMITS if not smoke else LIMITS.model_copy(update={"max_context": 64, "max_batch": 4})
     for name, network in networks.items():
         for graphs in (False, True):
             engine = TorchDeviceEngine(network, limits, name=name, device=device, dtype=dtype, use_cuda_graphs=graphs)

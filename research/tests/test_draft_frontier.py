@@ -1,5 +1,6 @@
-"""scripts/draft_frontier.py reads the three measurements each size has (the formats the measuring scripts write:
-the shipped head's own artifacts in docs/bench) and reports, per mode, the size it is fastest with."""
+"""research/eagle3/draft_frontier.py reads the three measurements each size has (the formats the measuring
+scripts write: the shipped head's own artifacts in docs/bench) and reports, per mode, the size it is fastest
+with."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ import pytest
 
 from tests.helpers import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "draft_frontier.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "research" / "eagle3" / "draft_frontier.py"
 BENCH = ROOT / "docs" / "bench"
 
 

@@ -3,13 +3,13 @@
 Each size is one draft built into its own build dir and measured three ways (the commands are in
 docs/eagle3.md):
 
-* AGREEMENT: ``scripts/measure_feature_draft.py BUILD --agreement-tokens 32 --skip exactness --out ...``
+* AGREEMENT: ``research/eagle3/measure_feature_draft.py BUILD --agreement-tokens 32 --skip exactness --out ...``
   (first-token agreement on the generated path, chat template and plain text);
-* COST: ``scripts/measure_draft_cost.py BUILD > ...`` (one draft token / one target token, ORT);
+* COST: ``research/draft/measure_draft_cost.py BUILD > ...`` (one draft token / one target token, ORT);
 * RESULTS: the ``results.json`` of ``python -m ssd_trt.bench BUILD ...`` (AR, SD, SSD tokens/s, paper-style and
   equal cores, K and fan-out tuned on the disjoint tuning split).
 
-    python scripts/draft_frontier.py --size "1 layer" AGREEMENT COST RESULTS --size "2 layers" ... --out DIR
+    python research/eagle3/draft_frontier.py --size "1 layer" AGREEMENT COST RESULTS --size "2 layers" ... --out DIR
 
 writes ``frontier.json`` (one row per size, and the size each mode is fastest with: the highest speedup over the
 AR of its own run) and ``frontier.png``.
@@ -31,7 +31,7 @@ COST_LINE = re.compile(r"^(\w+) context: target ([\d.]+) ms/token, draft ([\d.]+
 
 
 def draft_cost(path: Path) -> dict:
-    """{context: ratio} from scripts/measure_draft_cost.py's output."""
+    """{context: ratio} from research/draft/measure_draft_cost.py's output."""
     costs = {}
     for line in path.read_text().splitlines():
         match = COST_LINE.match(line.strip())

@@ -1,0 +1,124 @@
+"""A request's decoding settings: one typed, frozen object per mode, passed per call, validated once, here.
+
+    gen.generate(prompt, params, mode=SSD(draft_len=2, fan_out_budget=8))
+    gen.generate(prompt, params, mode="sd")        # a mode's name: its settings with every default
+
+K and SSD's fan-out budget left unset (None) take the build's decoding defaults for the request's regime,
+greedy or sampled (``Generator.resolve``; ``python -m ssd_trt.tune`` measures them). What the settings imply
+is defined here once: the size of SSD's tree step and the smallest budget a K allows. Where the models run
+(cores, threads, backend) is not a decoding setting: that is ``RuntimeOptions``, fixed when a build is loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Union
+
+from ssd_trt.engines.limits import MAX_DRAFT_LEN
+from ssd_trt.errors import RequestError
+
+DEFAULT_MODE = "ssd"     # what a request gets unless it names a mode: the API, the CLI and Triton alike
+
+
+def ssd_tree_tokens(draft_len: int, fan_out_budget: int) -> int:
+    """Tokens in the SSD draft's largest tree step: K+1 glue tokens and K tokens for each of B branches."""
+    return draft_len + 1 + draft_len * fan_out_budget
+
+
+def min_fan_out_budget(draft_len: int) -> int:
+    """The smallest fan-out budget for K: one bonus guess per acceptance length k = 0..K."""
+    return draft_len + 1
+
+
+def _check_draft_len(value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT_LEN):
+        raise RequestError(f"draft_len (K) must be an integer in 1..{MAX_DRAFT_LEN} (or None for the build's "
+                           f"default), got {value!r}")
+
+
+@dataclass(frozen=True)
+class AR:
+    """Plain autoregressive decoding: nothing to set."""
+    name: ClassVar[str] = "ar"
+
+
+@dataclass(frozen=True)
+class SD:
+    """Speculative decoding: K draft tokens per round, verified as a chain, or as a token tree with
+    ``tree_widths`` children per depth (then K is the tree's depth)."""
+    name: ClassVar[str] = "sd"
+    draft_len: int | None = None                 # K; None: the build's default
+    tree_widths: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_draft_len(self.draft_len)
+        if self.tree_widths is not None:
+            widths = tuple(self.tree_widths) if isinstance(self.tree_widths, (list, tuple)) else None
+            if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+                raise RequestError(f"tree_widths must be positive integers (children per depth), got "
+                                   f"{self.tree_widths!r}")
+            object.__setattr__(self, "tree_widths", widths)
+
+    def resolved(self, defaults) -> "SD":
+        """With K set (``defaults``: the build's ``DecodingDefaults`` for the request's regime)."""
+        return replace(self, draft_len=self.draft_len or defaults.sd_draft_len)
+
+
+@dataclass(frozen=True)
+class SSD:
+    """Speculative speculative decoding with Saguaro scheduling (``decoding/saguaro.py``)."""
+    name: ClassVar[str] = "ssd"
+    draft_len: int | None = None       # K; None: the build's default
+    fan_out_budget: int | None = None  # B = sum_k F_k guesses per sequence and round; None: the build's default
+    fork_policy: str = "confidence"    # confidence (this round's odds) | geometric (the paper's shape)
+    lookup_forks: int = 3              # prompt-lookup bonus guesses per position (0: draft guesses only)
+    saguaro_c: float = 1.0             # C of sigma_{F,C}; 1 = plain draft sampling
+    backup: str = "auto"               # auto | jit | ngram
+    critical_batch: int = 4            # b*: batches >= b* use the fast backup on a miss
+    prior_acceptance: float = 0.6
+    prior_power: float = 0.6
+
+    def __post_init__(self) -> None:
+        _check_draft_len(self.draft_len)
+        budget = self.fan_out_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 2):
+            raise RequestError(f"fan_out_budget must be an integer >= 2 (or None for the build's default), got "
+                               f"{budget!r}")
+        if budget is not None and self.draft_len is not None and budget < min_fan_out_budget(self.draft_len):
+            raise RequestError(f"fan_out_budget must be >= K+1 = {min_fan_out_budget(self.draft_len)}, got {budget}")
+        if not isinstance(self.saguaro_c, (int, float)) or not 0 < self.saguaro_c <= 1:
+            raise RequestError(f"saguaro_c (C) must be in (0, 1], got {self.saguaro_c}")
+        if self.fork_policy not in ("confidence", "geometric"):
+            raise RequestError(f"fork_policy must be confidence or geometric, got {self.fork_policy!r}")
+        if isinstance(self.lookup_forks, bool) or not isinstance(self.lookup_forks, int) or self.lookup_forks < 0:
+            raise RequestError(f"lookup_forks must be a non-negative integer, got {self.lookup_forks!r}")
+        if self.backup not in ("auto", "jit", "ngram"):
+            raise RequestError(f"backup must be auto, jit or ngram, got {self.backup!r}")
+        if isinstance(self.critical_batch, bool) or not isinstance(self.critical_batch, int) or self.critical_batch < 1:
+            raise RequestError(f"critical_batch must be a positive integer, got {self.critical_batch!r}")
+
+    def resolved(self, defaults) -> "SSD":
+        """With K and the budget set: unset ones from ``defaults`` (the build's ``DecodingDefaults``), the
+        default budget grown to K+1 when the caller chose a K it cannot cover."""
+        draft_len = self.draft_len or defaults.ssd_draft_len
+        budget = self.fan_out_budget or max(defaults.ssd_fan_out_budget, min_fan_out_budget(draft_len))
+        return replace(self, draft_len=draft_len, fan_out_budget=budget)
+
+    @property
+    def tree_tokens(self) -> int:
+        """Tokens in the draft's largest tree step (of resolved settings)."""
+        return ssd_tree_tokens(self.draft_len, self.fan_out_budget)
+
+
+Settings = Union[AR, SD, SSD]
+BY_NAME: dict[str, type] = {kind.name: kind for kind in (AR, SD, SSD)}
+MODES = tuple(BY_NAME)
+
+
+def settings_for(mode: "str | Settings") -> Settings:
+    """The settings object of ``mode``: itself, or a mode name's settings with every default."""
+    if isinstance(mode, (AR, SD, SSD)):
+        return mode
+    if isinstance(mode, str) and mode in BY_NAME:
+        return BY_NAME[mode]()
+    raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}, or pass "
+                       f"ssd_trt.AR() / SD(...) / SSD(...)")
