@@ -10,6 +10,7 @@ settings (``decoding/settings.py``: AR, SD, SSD, or a mode's name) come with eac
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -57,6 +58,8 @@ class Generator:
                                  self.options.backend, self.options.draft_copy)
         eos = self.manifest.model("target").config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        from ssd_trt.batching.policy import CostCurves
+        self.cost_curves = CostCurves()       # step times the engine step's SSD policy compares, measured once
 
     def engine(self, role: str):
         return self.engines.get(role)
@@ -99,7 +102,9 @@ class Generator:
     def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams | None = None,
                      mode: "str | Settings" = DEFAULT_MODE,
                      on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
-        """Generate from token ids. Every request, however it ends, leaves no KV slot held.
+        """Generate from token ids: a loop over the engine step (``batching/engine.py``) with every prompt added at
+        once; each prompt is its own request (its own random stream from ``params.seed``). Every request, however
+        it ends, leaves no KV slot held.
 
         Cancellation: an ``on_tokens`` that raises :class:`Cancelled` stops the whole request; the result
         holds every token the callback was shown, with ``stats["cancelled"] = True``. An engine failure
@@ -107,6 +112,62 @@ class Generator:
         """
         params = SamplingParams() if params is None else params
         prompt_ids, resolved = self.check_request(prompt_ids, params, mode)
+        if not self.steps(resolved):
+            return self._generate_one_batch(prompt_ids, params, resolved, on_tokens)
+        from ssd_trt.batching.engine import LLMEngine
+        engine = LLMEngine(self)
+        failures: list[BaseException] = []
+        callback = _guarded(on_tokens, failures) if on_tokens else None
+        cancelled = False
+        started = time.perf_counter()
+        try:
+            with pinned(self.options.target_cores):
+                ids = [engine.add_request(p, params, mode, stream=row)
+                       for row, p in enumerate(prompt_ids)]
+                row_of = {request_id: row for row, request_id in enumerate(ids)}
+                shown = [0] * len(ids)          # tokens the callback has seen, per row
+                try:
+                    while engine.has_unfinished():
+                        for output in engine.step():
+                            if callback and output.new_tokens:
+                                shown[row_of[output.request_id]] += len(output.new_tokens)
+                                callback(row_of[output.request_id], output.new_tokens)
+                except Cancelled:
+                    cancelled = True
+                    for request_id in ids:
+                        engine.abort(request_id)
+                    engine.step()
+        except SsdTrtError:
+            raise
+        except Exception as exc:
+            if failures and exc is failures[-1]:
+                raise                      # the caller's own callback failed: its exception, unchanged
+            raise EngineError(f"{resolved.name} generation failed: {type(exc).__name__}: {exc}; nothing was returned "
+                              f"for this request, the engines are ready for the next one") from exc
+        finally:
+            engine.close()
+            self.engines.free_slots()
+        seqs = [engine.take_result(request_id) for request_id in ids]
+        if cancelled:                            # the result holds what the callback was shown
+            for seq, count in zip(seqs, shown):
+                seq.tokens, seq.text_end = seq.tokens[:count], None
+        stats = batch_stats(seqs, resolved, engine.metrics, started)
+        if cancelled:
+            stats["cancelled"] = True
+        return [GenerationResult(seq.text(lambda t: self.tokenizer.decode(t, skip_special_tokens=True)), seq.tokens,
+                                 {**stats, "row_tokens": len(seq.tokens), "finish_reason": seq.finish_reason})
+                for seq in seqs]
+
+    def steps(self, resolved: ResolvedMode) -> bool:
+        """Whether the engine step runs this mode: all but SD's token tree and a draft fed the target's features
+        (EAGLE-3), which run as one batch (``_generate_one_batch``)."""
+        if resolved.name == "sd" and resolved.settings.tree_widths:
+            return False
+        return resolved.name == "ar" or not self.engines.get("draft").takes_target_features
+
+    def _generate_one_batch(self, prompt_ids: list[list[int]], params: SamplingParams, resolved: ResolvedMode,
+                            on_tokens: TokenCallback | None) -> list[GenerationResult]:
+        """One batch decoded together from start to end by the mode's own loop (SD trees, feature drafts)."""
         strategy, _ = strategy_for(resolved.settings)
         engines = {role: self.engines.get(role) for role in strategy.roles}   # opened before TTFT starts
         failures: list[BaseException] = []
@@ -132,6 +193,28 @@ class Generator:
         stats = {**seqs.timing_stats(), **stats}
         return [GenerationResult(self.tokenizer.decode(tokens, skip_special_tokens=True), tokens,
                                  {**stats, "row_tokens": len(tokens)}) for tokens in seqs.tokens]
+
+
+def batch_stats(seqs, resolved: ResolvedMode, metrics, started: float) -> dict:
+    """One ``generate`` call's statistics: round totals over its requests, the engine's timings, throughput."""
+    from ssd_trt.decoding.saguaro import overlap_summary
+    from ssd_trt.decoding.stats import RoundStats
+    elapsed = time.perf_counter() - started
+    total = sum(len(seq.tokens) for seq in seqs)
+    firsts = [seq.first_token_at for seq in seqs if seq.first_token_at is not None]
+    rounds = RoundStats.merged([seq.stats for seq in seqs], resolved.name, resolved.draft_len or 0)
+    rounds.add_time(draft_s=metrics.draft_s, verify_s=metrics.verify_s, wait_s=metrics.wait_s)
+    stats = rounds.summary() if resolved.name != "ar" else \
+        {"mode": "ar", "target_forwards": None, "mean_accepted": None, "acceptance_rate": None, "cache_hit_rate": None,
+         "draft_failures": []}
+    if rounds.draft_failures:
+        stats["fallback"] = "autoregressive (draft failed)"
+    if resolved.name == "ssd":
+        stats.update(overlap_summary(metrics.timeline))
+        stats["timeline"] = metrics.timeline
+        stats["policy"] = metrics.last_choice
+    return {"generated_tokens": total, "elapsed_s": elapsed, "tokens_per_s": total / elapsed if elapsed > 0 else None,
+            "ttft_s": min(firsts) - started if firsts else None, **stats}
 
 
 def _guarded(on_tokens: TokenCallback, failures: list[BaseException]) -> TokenCallback:

@@ -209,9 +209,9 @@ def test_the_check_catches_saguaro_sampling_verified_against_the_unscaled_q(monk
     the plain q they were not drawn from must show as a bias."""
     from ssd_trt.decoding.saguaro import DraftWorker
 
-    def unscaled(self, logits, fan_out):
-        q = filter_logits(logits, self.params)
-        return q.boosted(np.asarray(fan_out) + 1, self.config.saguaro_c).sample(self.rng), q
+    def unscaled(self, logits, fan_out, active=None):
+        q = filter_logits(logits, self.params[0])       # one request: every row has its parameters and stream
+        return q.boosted(np.asarray(fan_out) + 1, self.config.saguaro_c).sample(self.rngs[0]), q
 
     monkeypatch.setattr(DraftWorker, "_draw", unscaled)
     exact = exact_distribution(TARGET, 1.0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ssd_trt
-from ssd_trt.decoding import rounds as rounds_module
+from ssd_trt.batching import round as round_module
 from ssd_trt import AR, SD, SSD
 from ssd_trt.decoding.settings import Settings
 from tests.helpers import perturbed, random_decoder, save_hf_checkpoint, tiny_config, write_recipe
@@ -120,11 +120,46 @@ def test_ssd_cache_hits_follow_the_target_distribution_through_onnx_runtime(pair
 
 
 @pytest.mark.slow
+def test_heterogeneous_requests_batched_in_the_engine_step_each_follow_their_distribution(pair):
+    """One engine step runs rows of every mode and both filter settings together (joining in two waves, so
+    rows start mid-round of others): each (mode, setting) group's first two tokens follow its own exact
+    distribution -- per-row parameters and random streams, not the batch's."""
+    from ssd_trt.batching.engine import LLMEngine
+    build, target = pair
+    gen = ssd_trt.load(build)
+    modes = {"ar": AR(), "sd": SD(draft_len=3), "ssd": SSD(draft_len=2, backup="jit", fan_out_budget=8)}
+    groups = [(m, s) for m in sorted(modes) for s in sorted(SETTINGS)]
+    samples: dict[tuple[str, str], list] = {g: [] for g in groups}
+    for call in range(CALLS // 2):
+        engine = LLMEngine(gen)
+        for filler in range(4):      # greedy requests still running when the second wave joins
+            engine.add_request(PROMPT, ssd_trt.SamplingParams(max_new_tokens=6, stop_on_eos=False),
+                               modes[sorted(modes)[filler % 3]])
+        ids = {}
+        for wave in range(2):
+            for r in range(ROWS // 2 - 2):
+                group = groups[(r + wave) % len(groups)]
+                params = ssd_trt.SamplingParams(max_new_tokens=2, seed=50_000 + call * ROWS + wave * ROWS // 2 + r,
+                                                stop_on_eos=False, **SETTINGS[group[1]])
+                ids[engine.add_request(PROMPT, params, modes[group[0]])] = group
+            engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        for request_id, group in ids.items():
+            samples[group].append(tuple(engine.take_result(request_id).tokens))
+        engine.close()
+    for mode, setting in groups:
+        joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **SETTINGS[setting]))
+        for what, tv, threshold in check(joint, samples[(mode, setting)]):
+            assert tv < threshold, f"batched {mode} {setting} {what}: TV {tv:.4f} >= {threshold:.4f}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [CASES[1], CASES[2]], ids=["sd", "ssd-jit"])
 def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch, mode):
     build, target = pair
     params = SETTINGS["t0.7-p0.9"]     # at T=1 top-k 50 the 2,500-outcome noise floor hides a bias this size
-    monkeypatch.setattr(rounds_module, "verify_chain", planted_reference_bug)
+    monkeypatch.setattr(round_module, "verify_chain", planted_reference_bug)   # where the engine step verifies
     joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **params))
     samples, _ = draw(build, mode, params)
     failed = [(what, tv, threshold) for what, tv, threshold in check(joint, samples) if tv >= threshold]

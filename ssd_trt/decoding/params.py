@@ -18,6 +18,9 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_on_eos: bool = True
+    stop_token_ids: tuple[int, ...] = ()   # generation ends after any of these (kept in the output, like EOS)
+    stop: tuple[str, ...] = ()             # stop strings: generation ends when the text contains one; the text
+                                           # returned ends before it (token ids: through the token completing it)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -34,6 +37,16 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or self.seed < 0):
             raise RequestError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+        for name in ("stop_token_ids", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise RequestError(f"{name} must be a list, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}")
+        if any(not isinstance(text, str) or not text for text in self.stop):
+            raise RequestError(f"stop strings must be non-empty strings, got {list(self.stop)}")
 
     @property
     def greedy(self) -> bool:

@@ -49,7 +49,7 @@ from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks,
 from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.rounds import verify_and_commit
-from ssd_trt.decoding.sampling import Outcome, TokenDistribution, filter_logits, softmax
+from ssd_trt.decoding.sampling import Outcome, TokenDistribution, draw_rows, filter_logits, softmax
 from ssd_trt.decoding.settings import SSD
 from ssd_trt.decoding.speculative import draft_tokens
 from ssd_trt.decoding.stats import RoundStats
@@ -97,12 +97,14 @@ class SpeculationCache:
 
 # -- the draft side -------------------------------------------------------------------------------
 class DraftWorker:
-    """Owns the draft engine. Every method runs on the worker thread, one job at a time, in order."""
+    """Owns the draft engine. Every method runs on the worker thread, one job at a time, in order.
 
-    def __init__(self, draft: Engine, config: SSD, params: SamplingParams, seed: int | None,
+    Each row has its own sampling parameters and its own random stream (``params``, ``rngs``): a row's draws
+    depend on nothing else in the batch."""
+
+    def __init__(self, draft: Engine, config: SSD, params: list[SamplingParams], rngs: list[np.random.Generator],
                  cores: tuple[int, ...] | None) -> None:
-        self.draft, self.config, self.params, self.cores = draft, config, params, cores
-        self.rng = np.random.default_rng(None if seed is None else seed + 1)
+        self.draft, self.config, self.params, self.rngs, self.cores = draft, config, params, rngs, cores
         self.pending: list[list[int]] = []   # committed tokens the draft cache has not seen yet
         self.history: list[list[int]] = []   # every committed token (prompt lookup reads it)
 
@@ -142,20 +144,20 @@ class DraftWorker:
 
     def _forks(self, row: int, glue_logits: np.ndarray, glue: list[int], shape: list[int]) -> list[tuple[int, int]]:
         """Step 2 for one row: the bonus guesses (j, t) to draft behind (policies in fan_out.py)."""
-        K, config = self.config.draft_len, self.config
+        K, config, params = self.config.draft_len, self.config, self.params[row]
         lookup = [lookup_followers(self.history[row] + glue[:j + 1], limit=config.lookup_forks)
                   if config.lookup_forks else [] for j in range(K + 1)]
         if config.fork_policy == "geometric":
             return ranked_forks(glue_logits, glue[1:], shape, lookup)
         # the draft's odds for the outcome: plain softmax when greedy (T=0 has no distribution to mimic)
-        probs = (softmax(glue_logits) if self.params.greedy
-                 else filter_logits(glue_logits, self.params).dense(glue_logits.shape[-1]))
+        probs = (softmax(glue_logits) if params.greedy
+                 else filter_logits(glue_logits, params).dense(glue_logits.shape[-1]))
         return confident_forks(probs, glue[1:], sum(shape), lookup)
 
     def _tree_decode(self, glue: list[list[int]], forks: list[list[tuple[int, int]]],
                      shapes: list[list[int]]) -> tuple[np.ndarray, TokenDistribution | None]:
         """Step 3: K steps over all branches at once (glue + earlier branch tokens re-fed); every branch of
-        every row draws its next token in one vectorised call. Returns tokens [B, N, K+1] (column 0: the
+        every row draws its next token in one call per step. Returns tokens [B, N, K+1] (column 0: the
         fork token) and the distributions they were drawn from [K, B, N] (None when greedy)."""
         K, batch, branches = self.config.draft_len, len(glue), len(forks[0])
         base = self.draft.lengths
@@ -174,22 +176,22 @@ class DraftWorker:
                 step_dists.append(q)
         return tokens, TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None
 
-    def _draw(self, logits: np.ndarray, fan_out: np.ndarray) -> tuple[np.ndarray, TokenDistribution | None]:
-        """Speculation tokens for every row of draft logits [..., V] at once: argmax, or draws from
-        sigma_{F+1,C}(q) where ``fan_out`` [...] is F, the guesses that will sit at each token's position."""
-        if self.params.greedy:
-            return np.argmax(logits, axis=-1).astype(np.int64), None
-        q = filter_logits(logits, self.params).boosted(np.asarray(fan_out) + 1, self.config.saguaro_c)
-        return q.sample(self.rng), q
+    def _draw(self, logits: np.ndarray, fan_out: np.ndarray, active: list[bool] | None = None
+              ) -> tuple[np.ndarray, TokenDistribution | None]:
+        """Speculation tokens for every row of draft logits [B, ..., V]: argmax, or draws from sigma_{F+1,C}(q)
+        where ``fan_out`` [B, ...] is F, the guesses that will sit at each token's position."""
+        C = self.config.saguaro_c
+        return draw_rows(logits, self.params, self.rngs, active,
+                         boost=lambda q, row: q.boosted(np.asarray(fan_out[row]) + 1, C))
 
-    def just_in_time(self, bonus: list[int], shapes: list[list[int]]) -> Speculation:
+    def just_in_time(self, bonus: list[int], shapes: list[list[int]], wanted: list[bool] | None = None) -> Speculation:
         """Neural backup: draft K tokens after each row's new bonus token, synchronously (SD's draft loop,
-        drawing as the cache's branches do)."""
+        drawing as the cache's branches do). Rows not ``wanted`` draw nothing (their tokens are unused)."""
         K, batch = self.config.draft_len, len(bonus)
         prefix = self.draft.lengths + np.array([len(p) for p in self.pending])     # without the bonus
         fan_out = np.array([shapes[row][:K] for row in range(batch)])               # [B, K]: F at each position
         tokens, dists = draft_tokens(self.draft, [p + [b] for p, b in zip(self.pending, bonus)], K,
-                                     lambda logits, i: self._draw(logits, fan_out[:, i]))
+                                     lambda logits, i: self._draw(logits, fan_out[:, i], wanted))
         self.pending = [[] for _ in bonus]
         self.draft.rollback(prefix)   # drop bonus + drafted tokens: the next glue decode re-reads them
         return Speculation(tokens, dists, ["jit"] * batch)
@@ -261,7 +263,8 @@ def generate_saguaro(target: Engine, draft: Engine, prompts: list[list[int]], se
     # Not a `with` block: that would wait for a hung draft call. A hung draft is abandoned (its
     # thread finishes on its own; the runtime retires that draft engine); otherwise the thread is joined.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft")
-    state = Round(pool, DraftWorker(draft, config, params, params.seed, placement.cores),
+    draft_rng = np.random.default_rng(None if params.seed is None else params.seed + 1)
+    state = Round(pool, DraftWorker(draft, config, [params] * batch, [draft_rng] * batch, placement.cores),
                   FanOutPlanner(K, config.fan_out_budget, config.prior_acceptance, config.prior_power),
                   stats, placement.timeout_s, use_jit)
     try:

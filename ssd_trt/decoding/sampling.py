@@ -217,6 +217,29 @@ def next_tokens(logits: np.ndarray, params: SamplingParams, rng: np.random.Gener
     return filter_logits(logits, params).sample(rng)
 
 
+def draw_rows(logits: np.ndarray, params: Sequence[SamplingParams], rngs: Sequence[np.random.Generator],
+              active: Sequence[bool] | None = None, boost=None) -> tuple[np.ndarray, TokenDistribution | None]:
+    """Tokens for every row r of ``logits`` [B, ..., V] by its own request's rule and random stream: argmax when
+    ``params[r]`` is greedy, else a draw from its filtered distribution (``boost(q, r)`` may reshape it: Saguaro's
+    sigma_{F,C}) with ``rngs[r]``. Rows not ``active`` take the argmax and draw nothing, so a request's stream
+    advances only by its own draws, whatever else is batched with it. Returns tokens [B, ...] and the
+    distributions drawn from [B, ...] (None when no row sampled; a greedy row carries a point mass)."""
+    tokens = np.argmax(logits, axis=-1).astype(np.int64)
+    sampled = [r for r in range(len(params)) if not params[r].greedy and (active is None or active[r])]
+    if not sampled:
+        return tokens, None
+    dists = []
+    for row in range(len(params)):
+        if row not in sampled:
+            dists.append(TokenDistribution.point_mass(tokens[row]))
+            continue
+        q = filter_logits(logits[row], params[row])
+        q = q if boost is None else boost(q, row)
+        tokens[row] = q.sample(rngs[row])
+        dists.append(q)
+    return tokens, TokenDistribution.stack(dists, logits.shape[-1])
+
+
 def top_tokens(logits: np.ndarray, count: int) -> np.ndarray:
     """The ``count`` highest-scoring token ids, best first (O(V) partition, then a tiny sort)."""
     count = min(count, logits.shape[-1])

@@ -23,6 +23,22 @@ class RoundStats:
     draft_failures: list[str] = field(default_factory=list)
     draft_hung: bool = False          # a draft call timed out and may still be running
 
+    @classmethod
+    def merged(cls, parts: list["RoundStats"], mode: str, draft_len: int) -> "RoundStats":
+        """The totals of several requests' stats (one batch of ``generate``)."""
+        total = cls(mode=mode, draft_len=draft_len)
+        for part in parts:
+            total.rounds += part.rounds
+            total.accepted += part.accepted
+            total.accepted_hist.update(part.accepted_hist)
+            total.hits += part.hits
+            total.lookups += part.lookups
+            total.hits_by_k.update(part.hits_by_k)
+            total.lookups_by_k.update(part.lookups_by_k)
+            total.backup_rounds.update(part.backup_rounds)
+            total.draft_failures += [f for f in part.draft_failures if f not in total.draft_failures]
+        return total
+
     def record_round(self, accepted: int) -> None:
         self.rounds += 1
         self.accepted += accepted

@@ -98,6 +98,13 @@ class Engine(Protocol):
     def rollback(self, lengths: np.ndarray) -> None:
         """Truncate every row's cache to ``lengths`` [B] (<= current); later writes overwrite."""
 
+    def select_rows(self, order: Sequence[int | None]) -> None:
+        """Continuous batching: the batch becomes ``order``, each an old row kept (with its cache) or None for a
+        new empty row (``engines/rows.py``)."""
+
+    def rows(self, start: int, stop: int) -> "Engine":
+        """An engine over rows ``start .. stop-1`` only, sharing this one's cache (``engines/rows.py``)."""
+
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         """After a tree step: keep slots ``start + offsets[i]`` of ``row`` as slots ``start + i``
         (the accepted path) and set that row's length to ``start + len(offsets)``."""

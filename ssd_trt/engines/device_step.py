@@ -30,6 +30,7 @@ import torch
 from ssd_trt.engines.base import EngineSpec, FeatureIO, check_batch, check_keep, check_room, checked_rollback
 from ssd_trt.engines.cuda_graphs import GraphBucket, StepGraph, pad_step, plan_buckets, select_bucket
 from ssd_trt.engines.profiles import Profile, select_profile
+from ssd_trt.engines.rows import PaddedRows, check_order, reorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +168,28 @@ class DeviceStepEngine(FeatureIO):
     @property
     def lengths(self) -> np.ndarray:
         return self._lengths.copy()
+
+    def select_rows(self, order: Sequence[int | None]) -> None:
+        """Continuous batching (``engines/rows.py``): keep these rows in this order (None: a new empty row); a
+        gather on the device."""
+        check_order(order, len(self._lengths))
+        check_batch(self.spec, len(order))
+        kept = [(new, old) for new, old in enumerate(order) if old is not None]
+        if kept:
+            with self._on_device():
+                source = torch.as_tensor([old for _, old in kept], device=self._device)
+                target = torch.as_tensor([new for new, _ in kept], device=self._device)
+                for key, value in self.caches:
+                    for cache in (key, value):
+                        cache[target] = cache[source]        # gathered first (a copy): rows may overlap
+            if self._stream is not None:
+                self._stream.synchronize()
+        self._lengths = reorder(self._lengths, order)
+
+    def rows(self, start: int, stop: int) -> PaddedRows:
+        """Rows ``start .. stop-1``: the whole batch steps, the other rows padded (on a GPU a step's cost barely
+        depends on its row count)."""
+        return PaddedRows(self, start, stop)
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
                 logit_indices: np.ndarray | None = None, extra: dict[str, np.ndarray] | None = None) -> np.ndarray:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ssd_trt.engines.limits import MAX_DRAFT_LEN
+from ssd_trt.engines.rows import reorder
 from ssd_trt.engines.token_mirror import TokenMirrorEngine
 
 PATH_WINDOW = 4 * MAX_DRAFT_LEN + 4
@@ -73,6 +74,18 @@ class FeatureDraftEngine(TokenMirrorEngine):
         self._known = np.zeros(batch, dtype=np.int64)
         self._memo = [{} for _ in range(batch)]
         self.fallbacks = 0
+
+    def select_rows(self, order) -> None:
+        super().select_rows(order)
+        self._target = reorder(self._target, order)
+        self._known = reorder(self._known, order)
+        self._memo = [{} if old is None else self._memo[old] for old in order]
+
+    def rows(self, start: int, stop: int) -> "FeatureDraftEngine":
+        view = super().rows(start, stop)
+        view._target, view._known, view._memo = self._target[start:stop], self._known[start:stop], \
+            self._memo[start:stop]
+        return view
 
     def receive_target_features(self, row: int, first: int, features: np.ndarray) -> None:
         """The target verified the tokens at positions ``first`` .. ``first + n - 1`` of ``row`` and computed

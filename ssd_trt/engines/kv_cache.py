@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from ssd_trt.engines.base import EngineSpec, check_batch, check_keep, check_room, checked_rollback
+from ssd_trt.engines.rows import check_order, reorder
 
 INITIAL_CAPACITY = 128
 
@@ -53,6 +54,14 @@ class KVCache:
 
     def rollback(self, lengths: np.ndarray) -> None:
         self.lengths = checked_rollback(self.lengths, lengths)
+
+    def select_rows(self, order: Sequence[int | None]) -> None:
+        """The batch becomes ``order``: old rows kept (their slots copied) or None for an empty row
+        (``engines/rows.py``); the capacity is kept."""
+        check_order(order, self.batch)
+        check_batch(self.spec, len(order))
+        self.buffers = [reorder(buffer, order) for buffer in self.buffers]
+        self.lengths = reorder(self.lengths, order)
 
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         """Compact a tree step: slots start+offsets[i] become start+i (the accepted path)."""

@@ -16,8 +16,9 @@ import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
 from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, \
-    EngineSpec, FeatureIO, all_indices, check_room, past_names, present_names
+    EngineSpec, FeatureIO, all_indices, check_room, checked_rollback, past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
+from ssd_trt.engines.rows import check_order
 
 
 class OrtEngine(FeatureIO):
@@ -66,7 +67,7 @@ class OrtEngine(FeatureIO):
         self.has_hidden = EAGLE3_OUTPUT_HIDDEN in outputs
         self.last_hidden: np.ndarray | None = None
         self.cache: KVCache | None = None
-        self._cache_values: list = []
+        self._bindings: dict = {}
         self.warm_up()
 
     def warm_up(self) -> None:
@@ -86,19 +87,36 @@ class OrtEngine(FeatureIO):
 
     def reset(self, batch: int) -> None:
         self.cache = KVCache(self._cache_spec, batch)
-        self._bind_cache()
+        self._bindings = {}
 
-    def _bind_cache(self) -> None:
-        """One binding per cache allocation: each past buffer bound as its present too (written in place),
-        once; a step rebinds only its small inputs and its logits (no per-step work that scales with layers)."""
-        ortvalue = self._ort.OrtValue.ortvalue_from_numpy
-        self._cache_values = [ortvalue(buffer) for buffer in self.cache.buffers]
-        self._binding = self.session.io_binding()
-        for layer in range(self.spec.num_layers):
-            for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
-                value = self._cache_values[2 * layer + kind]
-                self._binding.bind_ortvalue_input(past, value)
-                self._binding.bind_ortvalue_output(present, value)
+    def select_rows(self, order: Sequence[int | None]) -> None:
+        """Continuous batching (``engines/rows.py``): keep these rows, in this order (None: a new empty row)."""
+        if self.cache is None:
+            check_order(order, 0)
+            self.reset(len(order))
+        else:
+            self.cache.select_rows(order)
+            self._bindings = {}
+
+    def rows(self, start: int, stop: int) -> "OrtRows":
+        """Rows ``start .. stop-1`` alone: a step of the view computes those rows only, in place in the cache."""
+        return OrtRows(self, start, stop)
+
+    def _binding_for(self, start: int, stop: int):
+        """The IO binding of rows ``start .. stop-1``: each past buffer's slice bound as its present too
+        (written in place), made once per cache allocation and row range, so that a step rebinds only its small
+        inputs and its logits (no per-step work that scales with layers)."""
+        key = (start, stop)
+        if key not in self._bindings:
+            ortvalue = self._ort.OrtValue.ortvalue_from_numpy
+            values = [ortvalue(buffer[start:stop]) for buffer in self.cache.buffers]   # leading axis: contiguous
+            binding = self.session.io_binding()
+            for layer in range(self.spec.num_layers):
+                for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
+                    binding.bind_ortvalue_input(past, values[2 * layer + kind])
+                    binding.bind_ortvalue_output(present, values[2 * layer + kind])
+            self._bindings[key] = (binding, values)
+        return self._bindings[key][0]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -108,41 +126,52 @@ class OrtEngine(FeatureIO):
                 logit_indices: np.ndarray | None = None,
                 extra: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """``extra``: a feature draft's per-token inputs [B,T,...] (``EAGLE3_INPUTS``; engines/feature_draft.py)."""
+        if input_ids.shape[0] != self.cache.batch:
+            raise ValueError(f"{self.spec.name}: batch {input_ids.shape[0]} does not match the reset batch "
+                             f"{self.cache.batch}")
+        return self.forward_rows(0, self.cache.batch, input_ids, position_ids, tree_mask, logit_indices, extra)
+
+    def forward_rows(self, start: int, stop: int, input_ids: np.ndarray, position_ids: np.ndarray,
+                     tree_mask: np.ndarray | None = None, logit_indices: np.ndarray | None = None,
+                     extra: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        """:meth:`forward` for rows ``start .. stop-1`` of the batch only."""
         batch, num_new = input_ids.shape
         if set(extra or ()) != set(self.extra_inputs):
             raise ValueError(f"{self.spec.name}: the graph takes extra inputs {list(self.extra_inputs)}, got "
                              f"{sorted(extra or ())}")
-        if batch != self.cache.batch:
-            raise ValueError(f"{self.spec.name}: batch {batch} does not match the reset batch {self.cache.batch}")
-        check_room(self.spec, int(self.cache.lengths.max()), num_new)
+        if batch != stop - start or not 0 <= start < stop <= self.cache.batch:
+            raise ValueError(f"{self.spec.name}: {batch} rows fed to rows {start}..{stop - 1} of a batch of "
+                             f"{self.cache.batch}")
+        check_room(self.spec, int(self.cache.lengths[start:stop].max()), num_new)
         if not (self.pad_single_rows and num_new == 1):
-            return self._step(input_ids, position_ids, tree_mask, logit_indices, extra)
+            return self._step(start, stop, input_ids, position_ids, tree_mask, logit_indices, extra)
         # the discarded second row repeats the first (any valid token and position would do: no real
         # row attends to it) and its KV slot is rolled back at once
-        logits = self._step(np.repeat(input_ids, 2, axis=1), np.repeat(position_ids, 2, axis=1), None,
+        logits = self._step(start, stop, np.repeat(input_ids, 2, axis=1), np.repeat(position_ids, 2, axis=1), None,
                             all_indices(batch, 1) if logit_indices is None else logit_indices,
                             None if extra is None else {k: np.repeat(v, 2, axis=1) for k, v in extra.items()})
-        self.cache.rollback(self.cache.lengths - 1)
+        self.cache.lengths[start:stop] -= 1
         if self.last_features is not None:
             self.last_features = self.last_features[:, :1]
         if self.last_hidden is not None:
             self.last_hidden = self.last_hidden[:, :1]
         return logits
 
-    def _step(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None,
-              logit_indices: np.ndarray | None, extra: Mapping[str, np.ndarray] | None) -> np.ndarray:
+    def _step(self, start: int, stop: int, input_ids: np.ndarray, position_ids: np.ndarray,
+              tree_mask: np.ndarray | None, logit_indices: np.ndarray | None,
+              extra: Mapping[str, np.ndarray] | None) -> np.ndarray:
         cache = self.cache
         batch, num_new = input_ids.shape
         if cache.reserve(num_new):
-            self._bind_cache()
+            self._bindings = {}
         packed = causal_tree_mask(batch, num_new) if tree_mask is None else pack_tree_mask(tree_mask)
         indices = np.ascontiguousarray(all_indices(batch, num_new) if logit_indices is None else logit_indices,
                                        dtype=np.int64)
-        binding = self._binding      # the caches are bound already (_bind_cache)
+        binding = self._binding_for(start, stop)     # the caches are bound already
         # bind_cpu_input holds no reference: these arrays must live until the run is over
         inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                   "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64), "tree_mask": packed,
-                  "cache_lengths": cache.lengths, "logit_indices": indices,
+                  "cache_lengths": np.ascontiguousarray(cache.lengths[start:stop]), "logit_indices": indices,
                   **{name: np.ascontiguousarray(value) for name, value in (extra or {}).items()}}
         for name, value in inputs.items():
             binding.bind_cpu_input(name, value)
@@ -153,7 +182,7 @@ class OrtEngine(FeatureIO):
         if extra_output:
             binding.bind_output(extra_output)
         self.session.run_with_iobinding(binding)
-        cache.lengths += num_new
+        cache.lengths[start:stop] += num_new
         if extra_output:     # bound last, after the presents and the logits: the binding's last output
             value = binding.get_outputs()[-1].numpy()
             self.last_features = value if self.has_features else None
@@ -167,3 +196,29 @@ class OrtEngine(FeatureIO):
 
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         self.cache.keep(row, start, offsets)
+
+
+class OrtRows(FeatureIO):
+    """Rows ``start .. stop-1`` of an :class:`OrtEngine`'s batch as an engine of their own (``engines/rows.py``):
+    its steps run those rows only, on their slice of the shared cache."""
+
+    def __init__(self, parent: OrtEngine, start: int, stop: int) -> None:
+        self.parent, self.start, self.stop = parent, start, stop
+        self.spec = parent.spec
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.parent.cache.lengths[self.start:self.stop].copy()
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
+                logit_indices: np.ndarray | None = None) -> np.ndarray:
+        return self.parent.forward_rows(self.start, self.stop, input_ids, position_ids, tree_mask, logit_indices)
+
+    def rollback(self, lengths: np.ndarray) -> None:
+        cache = self.parent.cache
+        cache.lengths[self.start:self.stop] = checked_rollback(cache.lengths[self.start:self.stop], lengths)
+
+    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
+        if not 0 <= row < self.stop - self.start:
+            raise ValueError(f"row must be in [0, {self.stop - self.start}), got {row}")
+        self.parent.cache.keep(self.start + row, start, offsets)

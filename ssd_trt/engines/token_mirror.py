@@ -8,11 +8,13 @@ steps) and through ``rollback`` and ``keep`` (the tree's accepted path compacted
 """
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import numpy as np
 
 from ssd_trt.engines.base import EngineSpec, FeatureIO
+from ssd_trt.engines.rows import reorder
 
 
 class TokenMirrorEngine(FeatureIO):
@@ -33,6 +35,18 @@ class TokenMirrorEngine(FeatureIO):
     @property
     def lengths(self) -> np.ndarray:
         return self.inner.lengths
+
+    def select_rows(self, order: Sequence[int | None]) -> None:
+        self.inner.select_rows(order)
+        self._slots = reorder(self._slots, order)
+
+    def rows(self, start: int, stop: int) -> "TokenMirrorEngine":
+        """Rows ``start .. stop-1`` (``engines/rows.py``): this wrapper over the inner engine's view, mirroring
+        into the same slot table."""
+        view = copy.copy(self)
+        view.inner = self.inner.rows(start, stop)
+        view._slots = self._slots[start:stop]
+        return view
 
     def cached_tokens(self, row: int, start: int = 0) -> np.ndarray:
         """The token ids in slots ``start`` .. length-1 of ``row`` (what the cache holds keys for)."""

@@ -1,4 +1,4 @@
-"""``python -m ssd_trt.serve.triton setup | export | start`` (see docs/serving.md)."""
+"""``python -m ssd_trt.serve.triton setup | export | start | client | load-bench`` (see docs/serving.md)."""
 from __future__ import annotations
 
 import argparse
@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--venv", help="serving venv (created on first use)")
     client.set_defaults(func=_client)
 
+    sub.add_parser("load-bench", add_help=False,
+                   help="serving under load against a real tritonserver (`load-bench --help` for its options)")
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["load-bench"]:
+        from ssd_trt.serve.triton.load_bench import main as load_bench
+        return load_bench(argv[1:])
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "client":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

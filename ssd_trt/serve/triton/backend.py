@@ -1,11 +1,12 @@
-"""What the exported ``model.py`` delegates to: request parsing, a generation worker, streamed responses.
+"""What the exported ``model.py`` delegates to: request parsing, the engine step's loop, streamed responses.
 
-Triton's Python backend calls ``execute`` on one thread per model instance. ``execute`` only validates
-each request and queues it; one worker thread runs the generations (the runtime is not re-entrant) and
-answers through each request's response sender, so the same code serves the decoupled (streaming) model
-and its non-decoupled twin. Greedy requests that arrive together with the same mode and sampling
-parameters are decoded as one batch (up to the engine's max batch); sampled requests run alone so that a
-seed reproduces the same text as a one-at-a-time run.
+Triton's Python backend calls ``execute`` on one thread per model instance. ``execute`` validates each request
+and adds it to the instance's :class:`~ssd_trt.batching.engine.LLMEngine`; one loop thread runs the engine's
+steps while any request is unfinished, so requests from every client share rounds (continuous batching: a
+request joins at the next round and leaves when it finishes), greedy and sampled, in any mode. Each step's new
+tokens are streamed to their requests; the final response carries the request's statistics. The engine's
+totals are exported as Triton custom metrics (``pb_utils.MetricFamily``): acceptance rate, mean accepted
+length, cache hit rate, active batch size, requests waiting.
 
 ``pb_utils`` (``triton_python_backend_utils``) exists only inside the backend's stub process, so it is
 passed in rather than imported here.
@@ -16,15 +17,16 @@ import json
 import threading
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from ssd_trt.batching.engine import LLMEngine, RequestOutput
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.detokenize import Detokenizer
+from ssd_trt.engines.affinity import pin
 from ssd_trt.errors import RequestError, SsdTrtError
 from ssd_trt.runtime import DEFAULT_MODE, MODES, Generator, RuntimeOptions
 
@@ -34,7 +36,7 @@ WARMUP_PROMPT = "Hello"
 
 @dataclass
 class Job:
-    """One validated request, waiting for or in generation."""
+    """One validated request, in the engine."""
     prompt_ids: list[int]
     params: SamplingParams
     mode: str
@@ -42,12 +44,7 @@ class Job:
     sender: Any                     # the request's InferenceResponseSender
     received: float = field(default_factory=time.perf_counter)
     gone: bool = False              # a send failed (client went away): send nothing more
-
-    def batch_key(self) -> tuple | None:
-        """Jobs with equal keys may share one ``generate`` call; sampled jobs never share (None)."""
-        if not self.params.greedy:
-            return None
-        return self.mode, replace(self.params, seed=None)
+    detokenizer: Detokenizer | None = None
 
 
 def _one_value(request, pb_utils, name: str, required: bool = False):
@@ -108,66 +105,88 @@ def request_stats(stats: dict[str, Any], row_tokens: int) -> dict[str, float | i
             "cache_hit_rate": nan if stats.get("cache_hit_rate") is None else float(stats["cache_hit_rate"])}
 
 
-class Scheduler:
-    """A FIFO of jobs drained by one worker thread, which groups compatible greedy jobs into batches."""
+class StepLoop:
+    """One thread that runs the engine's steps while any request is unfinished, and sleeps otherwise."""
 
-    def __init__(self, run: Callable[[list[Job]], None], max_rows: int, autostart: bool = True) -> None:
-        self._run = run
-        self._max_rows = max(1, max_rows)
-        self._queue: deque[Job] = deque()
-        self._cond = threading.Condition()
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+                 on_idle: Callable[[], None], on_error: Callable[[BaseException], None],
+                 cores: tuple[int, ...] | None) -> None:
+        self.engine, self.on_outputs, self.on_idle, self.on_error, self.cores = engine, on_outputs, on_idle, on_error, cores
+        self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="ssd-trt-generate", daemon=True)
-        if autostart:
-            self.start()
-
-    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ssd-trt-step", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        with self._cond:
-            self._queue.append(job)
-            self._cond.notify()
+    def wake(self) -> None:
+        self._wake.set()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish the queued jobs, then stop the worker."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        """Finish the requests in the engine, then stop."""
+        self._stopping = True
+        self._wake.set()
         self._thread.join(timeout)
 
-    def _take(self) -> list[Job] | None:
-        with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
-            if not self._queue:
-                return None
-            first = self._queue.popleft()
-            batch, key = [first], first.batch_key()
-            if key is not None:
-                for job in list(self._queue):
-                    if len(batch) >= self._max_rows:
-                        break
-                    if job.batch_key() == key:
-                        self._queue.remove(job)
-                        batch.append(job)
-            return batch
-
     def _loop(self) -> None:
-        while (batch := self._take()) is not None:
-            self._run(batch)
+        pin(self.cores)                          # this thread is the target's device
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001 -- every request must still get a final response
+                    self.on_error(exc)
+                    continue
+                self.on_outputs(outputs)
+            self.on_idle()
+            if self._stopping:
+                return
+
+
+METRICS = {   # name: (description, what of EngineMetrics it reports)
+    "ssd_trt_acceptance_rate": ("accepted / drafted tokens over every speculative round so far", "acceptance_rate"),
+    "ssd_trt_mean_accepted_length": ("drafted tokens accepted per speculative round (the bonus token not counted)",
+                                     "mean_accepted"),
+    "ssd_trt_cache_hit_rate": ("SSD speculation-cache hits per lookup", "cache_hit_rate"),
+    "ssd_trt_active_batch": ("requests decoded together in the last round", "active_batch"),
+    "ssd_trt_waiting_requests": ("requests waiting for a free slot", "waiting"),
+}
+
+
+class EngineGauges:
+    """The engine's totals as Triton gauges (``pb_utils.MetricFamily``), refreshed after each step."""
+
+    def __init__(self, pb_utils, model: str) -> None:
+        family = getattr(pb_utils, "MetricFamily", None)
+        self.gauges = {}
+        if family is None:                    # a stub without custom metrics: nothing to export
+            return
+        self.families = {name: family(name=name, description=description, kind=family.GAUGE)
+                         for name, (description, _) in METRICS.items()}
+        self.gauges = {name: f.Metric(labels={"model": model}) for name, f in self.families.items()}
+
+    def update(self, metrics) -> None:
+        for name, (_, attribute) in METRICS.items():
+            if name in self.gauges:
+                value = getattr(metrics, attribute)
+                self.gauges[name].set(float("nan") if value is None else float(value))
 
 
 class ModelServer:
-    """The state of one model instance: the loaded :class:`Generator` and its scheduler."""
+    """The state of one model instance: the loaded :class:`Generator`, its engine step and the step loop."""
 
-    def __init__(self, generator: Generator, pb_utils, streaming_model: bool, max_rows: int,
-                 log: Callable[[str], None]) -> None:
+    def __init__(self, generator: Generator, pb_utils, streaming_model: bool, max_running: int,
+                 log: Callable[[str], None], model_name: str = "ssd_trt") -> None:
         self.generator = generator
         self.pb = pb_utils
         self.streaming_model = streaming_model
         self.log = log
-        self.scheduler = Scheduler(self._generate, max_rows)
+        self.engine = LLMEngine(generator, max_running=max_running, calibrate=True)
+        self.gauges = EngineGauges(pb_utils, model_name)
+        self.jobs: dict[str, Job] = {}
+        self._ids = 0
+        self._lock = threading.Lock()
+        self.loop = StepLoop(self.engine, self._deliver, self._idle, self.fail_all, generator.options.target_cores)
 
     @classmethod
     def from_config(cls, model_config: dict, pb_utils) -> "ModelServer":
@@ -184,26 +203,80 @@ class ModelServer:
             ids = generator.encode(WARMUP_PROMPT)
             for mode in MODES:
                 generator.generate_ids([ids], SamplingParams(max_new_tokens=2), mode=mode)
-        max_rows = int(params.get("max_batch_rows") or 0) or generator.limits.max_batch
-        max_rows = min(max_rows, generator.limits.max_batch)
+        max_running = int(params.get("max_batch_rows") or 0) or generator.limits.max_batch
+        max_running = min(max_running, generator.limits.max_batch)
         streaming = pb_utils.using_decoupled_model_transaction_policy(model_config)
+        server = cls(generator, pb_utils, streaming, max_running, log, model_config.get("name", "ssd_trt"))
         log(f"ssd_trt: loaded {artifact_dir} in {time.perf_counter() - started:.1f}s "
-            f"(streaming={streaming}, max batch rows {max_rows})")
-        return cls(generator, pb_utils, streaming, max_rows, log)
+            f"(streaming={streaming}, continuous batching up to {max_running} requests)")
+        return server
 
     # -- Triton entry points -------------------------------------------------------------------
     def execute(self, requests) -> None:
         for request in requests:
             try:
                 job = parse_request(request, self.pb, self.generator, self.streaming_model)
+                if job.stream:
+                    job.detokenizer = Detokenizer.of(self.generator.tokenizer)
+                with self._lock:
+                    self._ids += 1
+                    request_id = str(self._ids)
+                    self.jobs[request_id] = job
+                try:
+                    self.engine.add_request(job.prompt_ids, job.params, job.mode, request_id=request_id)
+                except BaseException:
+                    with self._lock:
+                        self.jobs.pop(request_id, None)
+                    raise
             except (SsdTrtError, ValueError, TypeError, OverflowError) as exc:
                 self._fail(request.get_response_sender(), exc)
                 continue
-            self.scheduler.submit(job)
+        self.loop.wake()
         return None
 
     def close(self) -> None:
-        self.scheduler.close()
+        self.loop.close()
+        self.engine.close()
+
+    # -- the loop's callbacks (the step thread) -------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Stream each request's new text; finish the finished ones; abort the ones whose client went away."""
+        self.gauges.update(self.engine.metrics)
+        for output in outputs:
+            with self._lock:
+                job = self.jobs.get(output.request_id)
+            if job is None:
+                continue
+            if job.stream and output.new_tokens and not output.finished:
+                self._send(job, self._response(job.detokenizer.push(output.new_tokens), output.new_tokens))
+            if output.finished:
+                self._finish(output, job)
+        with self._lock:
+            live = list(self.jobs.items())
+        for request_id, job in live:
+            cancelled = getattr(job.sender, "is_cancelled", None)
+            if job.gone or (cancelled is not None and cancelled()):
+                job.gone = True
+                self.engine.abort(request_id)
+
+    def _finish(self, output: RequestOutput, job: Job) -> None:
+        with self._lock:
+            self.jobs.pop(output.request_id, None)
+        seq = self.engine.take_result(output.request_id)
+        if seq.finish_reason == "abort":
+            self._send(job, self._error(RequestError("request cancelled by the client"), "CANCELLED"), final=True)
+            return
+        text = seq.text(lambda t: self.generator.tokenizer.decode(t, skip_special_tokens=True))
+        stats = request_stats(seq.stats.summary(), len(seq.tokens))
+        if job.stream:
+            tail = output.new_tokens
+            piece = job.detokenizer.push(tail) if tail else ""
+            self._send(job, self._response(piece + job.detokenizer.finish(text), tail, stats), final=True)
+        else:
+            self._send(job, self._response(text, seq.tokens, stats), final=True)
+
+    def _idle(self) -> None:
+        self.gauges.update(self.engine.metrics)
 
     # -- responses -----------------------------------------------------------------------------
     def _error(self, exc: BaseException, code: str | None = None):
@@ -218,7 +291,7 @@ class ModelServer:
         sender.send(self._error(exc), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _send(self, job: Job, response, final: bool = False) -> None:
-        """Send to one job; a failure (e.g. a cancelled request) never disturbs the rest of the batch."""
+        """Send to one job; a failure (e.g. a cancelled request) never disturbs the other requests."""
         if job.gone:
             return
         try:
@@ -237,38 +310,12 @@ class ModelServer:
                         self.pb.Tensor("cache_hit_rate", np.array([[stats["cache_hit_rate"]]], np.float32))]
         return self.pb.InferenceResponse(output_tensors=tensors)
 
-    def _generate(self, jobs: list[Job]) -> None:
-        """Run one batch (worker thread); every job gets its responses and exactly one final flag."""
-        live = []
-        for job in jobs:                                  # clients that gave up while queued
-            cancelled = getattr(job.sender, "is_cancelled", None)
-            if cancelled is not None and cancelled():
-                self._send(job, self._error(RequestError("request cancelled by the client"), "CANCELLED"),
-                           final=True)
-            else:
-                live.append(job)
-        if not live:
-            return
-        jobs = live
-        streams = [Detokenizer.of(self.generator.tokenizer) if job.stream else None for job in jobs]
-
-        def on_tokens(row: int, token_ids: list[int]) -> None:
-            detok = streams[row]
-            if detok is not None:
-                self._send(jobs[row], self._response(detok.push(token_ids), token_ids))
-
-        try:
-            results = self.generator.generate_ids([job.prompt_ids for job in jobs], jobs[0].params,
-                                                   mode=jobs[0].mode, on_tokens=on_tokens)
-        except Exception as exc:  # noqa: BLE001 - every request must get a final response
-            if not isinstance(exc, SsdTrtError):
-                self.log(f"ssd_trt: generation failed: {traceback.format_exc()}")
-            for job in jobs:
-                self._send(job, self._error(exc), final=True)
-            return
-        for job, detok, result in zip(jobs, streams, results):
-            stats = request_stats(result.stats, len(result.token_ids))
-            if detok is not None:
-                self._send(job, self._response(detok.finish(result.text), [], stats), final=True)
-            else:
-                self._send(job, self._response(result.text, result.token_ids, stats), final=True)
+    def fail_all(self, exc: BaseException) -> None:
+        """The engine step failed: every request in it gets an error response (the engines stay usable)."""
+        if not isinstance(exc, SsdTrtError):
+            self.log(f"ssd_trt: generation failed: {traceback.format_exc()}")
+        with self._lock:
+            jobs, self.jobs = self.jobs, {}
+        for request_id, job in jobs.items():
+            self.engine.abort(request_id)
+            self._send(job, self._error(exc), final=True)

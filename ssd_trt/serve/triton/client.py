@@ -7,7 +7,7 @@ where tritonclient is installed), or with the serving venv's python directly::
     $VENV/bin/python -m ssd_trt.serve.triton.client generate --prompt "The capital of France is" \\
         --max-tokens 16 --protocol grpc --mode ssd          # streams chunks as they are committed
     $VENV/bin/python -m ssd_trt.serve.triton.client generate --prompt "Hello" --protocol http
-    $VENV/bin/python -m ssd_trt.serve.triton.client bench --concurrency 32 --max-tokens 16
+    $VENV/bin/python -m ssd_trt.serve.triton.client bench --concurrency 16 --repeat 4 --max-tokens 32 --mode ar
 
 Plain HTTP/gRPC requests go to ``ssd_trt_nonstream``; gRPC streaming to the decoupled ``ssd_trt``.
 """
@@ -132,36 +132,45 @@ def infer_grpc_stream(url: str, tensors: list[tuple[str, str, Any]], model: str 
     return out
 
 
-def bench(url: str, prompts: list[str], concurrency: int, max_tokens: int, mode: str = "ssd") -> dict[str, Any]:
-    """``concurrency`` simultaneous greedy gRPC streaming requests (prompts cycled); latency percentiles."""
-    results: list[Result | None] = [None] * concurrency
+def bench(url: str, specs: list[dict[str, Any]], concurrency: int, repeat: int = 1) -> dict[str, Any]:
+    """``concurrency`` clients, each sending ``repeat`` gRPC streaming requests one after another (a closed loop),
+    the requests cycling through ``specs`` (dicts of :func:`request_tensors`' arguments: prompt, max_tokens,
+    mode, temperature, ...); throughput, latency and time-to-first-token percentiles."""
+    total = concurrency * repeat
+    results: list[Result | None] = [None] * total
     barrier = threading.Barrier(concurrency)
 
-    def worker(i: int) -> None:
-        tensors = request_tensors(prompts[i % len(prompts)], max_tokens, mode=mode, stream=True)
+    def client(worker: int) -> None:
         barrier.wait()
-        results[i] = infer_grpc_stream(url, tensors)
+        for r in range(repeat):
+            index = worker * repeat + r
+            spec = specs[index % len(specs)]
+            results[index] = infer_grpc_stream(url, request_tensors(**{**spec, "stream": True}))
 
     started = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(concurrency)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
     done = [r for r in results if r is not None]
-    latencies = sorted(r.latency_s for r in done if r.error is None)
-    tokens = sum(len(r.token_ids) for r in done if r.error is None)
+    ok = [r for r in done if r.error is None]
+    latencies = sorted(r.latency_s for r in ok)
+    ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    tokens = sum(len(r.token_ids) for r in ok)
 
-    def pct(p: float) -> float | None:
-        return latencies[min(len(latencies) - 1, int(round(p * (len(latencies) - 1))))] if latencies else None
+    def pct(values: list[float], p: float) -> float | None:
+        return values[min(len(values) - 1, int(round(p * (len(values) - 1))))] if values else None
 
-    return {"concurrency": concurrency, "mode": mode, "max_tokens": max_tokens, "wall_s": wall,
+    modes = sorted({spec.get("mode", "ssd") for spec in specs})
+    return {"concurrency": concurrency, "requests": total, "mode": modes[0] if len(modes) == 1 else "mixed",
+            "max_tokens": max(spec["max_tokens"] for spec in specs), "wall_s": wall,
             "errors": [r.error for r in done if r.error], "generated_tokens": tokens,
-            "throughput_tok_s": tokens / wall, "requests_per_s": len(latencies) / wall,
-            "latency_p50_s": pct(0.50), "latency_p99_s": pct(0.99),
+            "throughput_tok_s": tokens / wall, "requests_per_s": len(ok) / wall,
+            "latency_p50_s": pct(latencies, 0.50), "latency_p99_s": pct(latencies, 0.99),
             "latency_mean_s": statistics.fmean(latencies) if latencies else None,
-            "ttft_p50_s": statistics.median([r.ttft_s for r in done if r.ttft_s is not None] or [0.0]),
+            "ttft_p50_s": pct(ttfts, 0.50), "ttft_p99_s": pct(ttfts, 0.99),
             "results": [asdict(r) for r in done]}
 
 
@@ -184,11 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     raw.add_argument("tensors")
     raw.add_argument("--protocol", choices=["http", "grpc"], default="http")
     raw.add_argument("--model")
-    b = sub.add_parser("bench", help="concurrent greedy gRPC streaming requests; prints a JSON summary")
+    b = sub.add_parser("bench", help="concurrent gRPC streaming requests (closed loop); prints a JSON summary")
     b.add_argument("--prompt", action="append")
     b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--repeat", type=int, default=1, help="requests each concurrent client sends, one after another")
     b.add_argument("--max-tokens", type=int, default=16)
     b.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ssd")
+    b.add_argument("--specs", help="JSON list of requests to cycle through instead of --prompt/--mode/--max-tokens "
+                                   "(each: prompt, max_tokens, and optionally mode, temperature, top_p, top_k, seed)")
     b.add_argument("--full", action="store_true", help="include every request's result in the JSON")
     for p in (gen, raw, b):
         p.add_argument("--http-url", default="127.0.0.1:8000")
@@ -196,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "bench":
-        summary = bench(args.grpc_url, args.prompt or ["The capital of France is"], args.concurrency,
-                        args.max_tokens, args.mode)
+        specs = json.loads(args.specs) if args.specs else \
+            [{"prompt": p, "max_tokens": args.max_tokens, "mode": args.mode}
+             for p in args.prompt or ["The capital of France is"]]
+        summary = bench(args.grpc_url, specs, args.concurrency, args.repeat)
         if not args.full:
             summary.pop("results")
         print(json.dumps(summary))

@@ -37,6 +37,7 @@ class ServerConfig:
     repository: Path
     http_port: int = 8000
     grpc_port: int = 8001
+    metrics_port: int | None = 8002         # Prometheus metrics (the engine's gauges among them); None: off
     log_file: Path | None = None            # None: inherit stdout/stderr
     verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
@@ -47,7 +48,9 @@ def server_command(env: ServeEnv, config: ServerConfig) -> list[str]:
             f"--backend-directory={env.backend_dir}",
             f"--http-address={LOOPBACK}", f"--http-port={config.http_port}",
             f"--grpc-address={LOOPBACK}", f"--grpc-port={config.grpc_port}",
-            "--allow-metrics=false", "--allow-gpu-metrics=false", "--strict-readiness=true",
+            *(["--allow-metrics=true", f"--metrics-address={LOOPBACK}", f"--metrics-port={config.metrics_port}",
+               "--allow-cpu-metrics=false"] if config.metrics_port else ["--allow-metrics=false"]),
+            "--allow-gpu-metrics=false", "--strict-readiness=true",
             "--exit-on-error=true", f"--log-verbose={config.verbose}", *config.extra_args]
 
 
@@ -71,6 +74,15 @@ class TritonServer:
     @property
     def grpc_url(self) -> str:
         return f"{LOOPBACK}:{self.config.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if not self.config.metrics_port else f"http://{LOOPBACK}:{self.config.metrics_port}/metrics"
+
+    def metrics(self) -> str:
+        """The server's Prometheus metrics text."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+            return resp.read().decode()
 
     def start(self) -> "TritonServer":
         out = None

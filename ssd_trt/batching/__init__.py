@@ -1,0 +1,1 @@
+"""Continuous batching: an engine step over many requests that join and leave between rounds."""

@@ -1,0 +1,360 @@
+"""The engine step: requests join and leave between rounds; every round runs all of them together.
+
+    engine = LLMEngine(ssd_trt.load("build/smollm2-135m"))
+    rid = engine.add_request(ids, SamplingParams(max_new_tokens=64, temperature=0.7, seed=1), mode="ssd")
+    while engine.has_unfinished():
+        for output in engine.step():         # new tokens of every request that moved, and which finished
+            ...
+    result = engine.take_result(rid)
+
+One :meth:`LLMEngine.step` (the shape of nano-vllm's ``LLMEngine.step``):
+  1. schedule   take new requests and aborts; admit waiting requests while slots and KV memory allow
+                (``max_running``, at most the engine's max batch); decide how each runs this round
+                (``policy.py``: adaptive SSD rows may run without speculation, or with a shorter K, at load)
+  2. lay out    the target's rows in the order [SSD groups | SD | AR] (the draft holds the first two, the
+                same rows); the engines' caches are rearranged (``Engine.select_rows``) only when the set or
+                its grouping changed; the prompts of requests that just joined are prefilled on their own
+                rows (``Engine.rows``) and their first token sampled
+  3. one round  (``round.py``) the draft proposes for SD rows (and SSD rows without a ready speculation);
+                the draft pre-speculates for SSD rows on its own core while the target verifies every row in
+                one forward (AR rows feed one token); each row commits by its own parameters and random
+                stream; SSD rows look up their next speculation and back up on a miss
+  4. report     each request's new tokens, and the requests that finished (EOS, stop token or string,
+                length, abort); finished requests leave the rows at the next step
+
+Thread safety: ``add_request`` and ``abort`` may be called from any thread while another thread runs
+``step``; they take effect at the next step.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ssd_trt.batching.policy import CostCurves, Yield, choose
+from ssd_trt.batching.round import RoundPlan, run_round
+from ssd_trt.batching.sequence import SequenceState
+from ssd_trt.decoding.fan_out import FanOutPlanner
+from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.sampling import draw_rows
+from ssd_trt.decoding.settings import DEFAULT_MODE, SSD, Settings, settings_for
+from ssd_trt.engines.affinity import pin
+from ssd_trt.engines.cuda_graphs import doubling_sizes
+from ssd_trt.engines.feeding import feed_ragged
+from ssd_trt.errors import RequestError
+
+
+def is_adaptive(mode: "str | Settings") -> bool:
+    """An SSD request that leaves K and the budget to the build adapts them to the load (``policy.py``)."""
+    settings = settings_for(mode)
+    return isinstance(settings, SSD) and settings.draft_len is None and settings.fan_out_budget is None
+
+
+class CapacityError(RequestError):
+    """The engine's waiting queue is full: retry later (or raise ``max_waiting``)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request."""
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class EngineMetrics:
+    """Totals over every round this engine ran (what Triton's metrics report)."""
+    steps: int = 0
+    generated_tokens: int = 0
+    speculative_rounds: int = 0          # row-rounds that verified drafted tokens
+    drafted: int = 0
+    accepted: int = 0
+    lookups: int = 0
+    hits: int = 0
+    active_batch: int = 0                # rows in the last round
+    waiting: int = 0
+    last_choice: dict = field(default_factory=dict)
+    verify_s: float = 0.0                # the target's forwards
+    draft_s: float = 0.0                 # the draft's speculation jobs (overlapping the verification)
+    wait_s: float = 0.0                  # the target waiting for the draft after its forward
+    timeline: list = field(default_factory=list)   # SSD rounds (capped): what overlapped what
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        return self.accepted / self.speculative_rounds if self.speculative_rounds else None
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+
+class LLMEngine:
+    """Continuous batching over a loaded :class:`~ssd_trt.runtime.Generator`'s engines (which it then owns:
+    run one LLMEngine at a time per Generator)."""
+
+    def __init__(self, generator, max_running: int | None = None, max_waiting: int = 1024,
+                 calibrate: bool = False) -> None:
+        limit = generator.limits.max_batch
+        if max_running is not None and not 1 <= max_running <= limit:
+            raise RequestError(f"max_running must be in 1..{limit} (the engine's max batch), got {max_running}")
+        self.generator = generator
+        self.max_running = max_running or limit
+        self.max_waiting = max_waiting
+        self.metrics = EngineMetrics()
+        self.created = time.perf_counter()
+        self._lock = threading.Lock()
+        self._incoming: list[SequenceState] = []
+        self._aborts: set[str] = set()
+        self._waiting: deque[SequenceState] = deque()
+        self._running: list[SequenceState] = []
+        self._results: dict[str, SequenceState] = {}
+        self._target_rows: list[SequenceState] = []      # the target engine's rows, in order
+        self._draft_rows: list[SequenceState] = []       # the draft's: the target's first rows
+        self._ids = itertools.count()
+        self._planners: dict[SSD, FanOutPlanner] = {}
+        self._yields: dict[SSD, Yield] = {}
+        self.draft_failure: BaseException | None = None
+        placement = generator.options.placement("draft")
+        self._draft_cores, self.draft_timeout_s = placement.cores, placement.timeout_s
+        self._pool: ThreadPoolExecutor | None = None
+        self.costs: CostCurves = generator.cost_curves
+        self._calibrated: set = set()
+        if calibrate:
+            self._calibrate([SSD().resolved(generator.decoding_defaults(SamplingParams()))])
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    mode: "str | Settings" = DEFAULT_MODE, request_id: str | None = None, stream: int = 0) -> str:
+        """Queue a request (checked now: a RequestError names what is wrong); returns its id. ``stream`` picks
+        one of a seed's independent random streams (``generate`` gives each prompt of a batch its own)."""
+        params = SamplingParams() if params is None else params
+        [ids], resolved = self.generator.check_request([prompt_ids], params, mode)
+        if resolved.name == "sd" and resolved.settings.tree_widths:
+            raise RequestError("SD with a token tree (tree_widths) runs one request batch at a time: use "
+                               "Generator.generate, or a chain (no tree_widths) in the engine step")
+        if resolved.name != "ar" and self.generator.engine("draft").takes_target_features:
+            raise RequestError("this build's draft reads the target's features (EAGLE-3), which the engine step "
+                               "does not relay yet: use Generator.generate, or mode='ar'")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        tokenizer = self.generator.tokenizer
+        seq = SequenceState.create(request_id, ids, params, resolved, self.generator.eos_ids,
+                                   lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), stream,
+                                   adaptive=is_adaptive(mode))
+        with self._lock:
+            queued = len(self._waiting) + len(self._incoming)
+            if queued >= self.max_waiting:
+                raise CapacityError(f"{queued} requests are already waiting for one of {self.max_running} "
+                                    f"running slots (max_waiting {self.max_waiting}); retry later")
+            self._incoming.append(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step: its rows are freed, the others continue exactly."""
+        with self._lock:
+            self._aborts.add(str(request_id))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._running or self._waiting or self._incoming)
+
+    def take_result(self, request_id: str) -> SequenceState:
+        """A finished request's state (tokens, finish reason, stats, text via ``.text(decode)``); once."""
+        return self._results.pop(str(request_id))
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        self._schedule(outputs)
+        if self._running:
+            plans = self._plan(self._running)
+            self._lay_out(plans)
+            self._prefill([seq for seq in self._target_rows if seq.unfed is None and not seq.tokens], outputs)
+            run_round(self, plans, outputs)
+            self.metrics.steps += 1
+            self.metrics.active_batch = len(self._target_rows)
+        for seq in [s for s in self._running if s.finished]:
+            self._running.remove(seq)
+            self._results[seq.request_id] = seq
+        if not self._running:                  # nothing live: the next request starts on fresh rows
+            self._target_rows, self._draft_rows = [], []
+        return list(outputs.values())
+
+    def emit(self, outputs: dict[str, RequestOutput], seq: SequenceState, tokens: list[int]) -> None:
+        out = outputs.setdefault(seq.request_id, RequestOutput(seq.request_id, [], False, None))
+        out.new_tokens += tokens
+        out.finished, out.finish_reason = seq.finished, seq.finish_reason
+        self.metrics.generated_tokens += len(tokens)
+
+    def _schedule(self, outputs: dict[str, RequestOutput]) -> None:
+        with self._lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+            aborts, self._aborts = self._aborts, set()
+        for seq in [s for s in self._waiting if s.request_id in aborts]:
+            self._waiting.remove(seq)
+            seq.finish("abort")
+            self._results[seq.request_id] = seq
+            self.emit(outputs, seq, [])
+        for seq in [s for s in self._running if s.request_id in aborts and not s.finished]:
+            seq.finish("abort")
+            self.emit(outputs, seq, [])
+            self._running.remove(seq)
+            self._results[seq.request_id] = seq
+        while self._waiting and len(self._running) < self.max_running and self._fits(self._waiting[0]):
+            self._running.append(self._waiting.popleft())
+        self.metrics.waiting = len(self._waiting)
+
+    def _fits(self, seq: SequenceState) -> bool:
+        """KV memory: the caches are dense (rows x the longest row), so one more request fits while
+        (rows + 1) x the longest request's need stays within max_running x max_context slots."""
+        need = max(len(s.prompt) + s.params.max_new_tokens + s.resolved.headroom for s in self._running + [seq])
+        return (len(self._running) + 1) * need <= self.max_running * self.generator.limits.max_context
+
+    def _plan(self, running: list[SequenceState]) -> dict[int, RoundPlan]:
+        """How each request runs this round. Adaptive SSD requests (K and budget left to the build) follow the
+        measured policy for the live batch; a request that set K runs as set; without a working draft, AR."""
+        batch, plans = len(running), {}
+        choices: dict[SSD, object] = {}
+        for seq in running:
+            name, settings = seq.resolved.name, seq.resolved.settings
+            if name == "ar" or self.draft_failure is not None:
+                plans[id(seq)] = RoundPlan("ar", None)
+            elif name == "sd":
+                plans[id(seq)] = RoundPlan("sd", settings)
+            elif batch == 1 or not seq.adaptive:
+                plans[id(seq)] = RoundPlan("ssd", settings)   # one request: the build's tuned K and budget
+            else:
+                if settings not in choices:
+                    self._calibrate([settings])
+                    choices[settings] = choose(settings, batch, self.costs, self.yield_of(settings))
+                    self.metrics.last_choice = {"batch": batch, **choices[settings].alternatives}
+                chosen = choices[settings].settings
+                plans[id(seq)] = RoundPlan("ar", None) if chosen is None else RoundPlan("ssd", chosen, settings)
+        return plans
+
+    def _calibrate(self, settings: list[SSD]) -> None:
+        """Time the engines at the step shapes the policy compares, for every batch size up to max_running,
+        while they hold no live rows (at load with ``calibrate=True``, or before the first round)."""
+        if self._target_rows or self._draft_rows:
+            return
+        sizes = list(doubling_sizes(1, self.max_running))
+        if sizes[-1] != self.max_running:
+            sizes.append(self.max_running)
+        for s in settings:
+            target_tokens = list(range(1, s.draft_len + 2))
+            draft_tokens = sorted({1} | {k + 1 for k in range(1, s.draft_len + 1)} |
+                                  {SSD(draft_len=k, fan_out_budget=max(s.fan_out_budget, k + 1)).tree_tokens
+                                   for k in range(1, s.draft_len + 1)})
+            key = (s.draft_len, s.fan_out_budget, self.max_running)
+            if key in self._calibrated:
+                continue
+            self.costs.calibrate(self.generator.engine("target"), "target", sizes, target_tokens)
+            self.costs.calibrate(self.generator.engine("draft"), "draft", sizes, draft_tokens)
+            self._calibrated.add(key)
+
+    def _lay_out(self, plans: dict[int, RoundPlan]) -> None:
+        """Order the rows [SSD groups | SD | AR]; rearrange the caches only when that order changed."""
+        def group(seq: SequenceState) -> tuple:
+            plan = plans[id(seq)]
+            return ({"ssd": 0, "sd": 1, "ar": 2}[plan.kind], repr(plan.settings) if plan.kind == "ssd" else "")
+        previous = {id(s): i for i, s in enumerate(self._target_rows)}
+        ordered = sorted(self._running, key=lambda s: (group(s), previous.get(id(s), len(previous))))
+        if [id(s) for s in ordered] != [id(s) for s in self._target_rows]:
+            self.generator.engine("target").select_rows([previous.get(id(s)) for s in ordered])
+        drafted = [s for s in ordered if plans[id(s)].kind != "ar"]
+        before = {id(s): i for i, s in enumerate(self._draft_rows)}
+        for seq in self._draft_rows:
+            if id(seq) not in {id(s) for s in drafted}:
+                seq.speculation = None
+        for seq in drafted:
+            if id(seq) not in before:           # a new draft row: the draft has seen nothing of it
+                seq.draft_pending = seq.history[:-1] if seq.tokens else list(seq.prompt)
+                seq.speculation = None
+            plan = plans[id(seq)]
+            if seq.speculation is not None and (plan.kind != "ssd" or len(seq.speculation.tokens) != plan.settings.draft_len):
+                seq.speculation = None
+        self._target_rows = ordered
+        if drafted and [id(s) for s in drafted] != [id(s) for s in self._draft_rows]:
+            try:
+                self.on_draft(lambda: self.generator.engine("draft").select_rows([before.get(id(s)) for s in drafted]))
+            except Exception as failure:   # noqa: BLE001 -- the requests go on without the draft
+                self.draft_failed(failure)
+                return
+        self._draft_rows = drafted
+
+    def _prefill(self, new: list[SequenceState], outputs: dict[str, RequestOutput]) -> None:
+        """Prompts of the requests that just joined, on their own rows (contiguous runs), and their first
+        token, drawn by each request's parameters and stream."""
+        index = {id(s): i for i, s in enumerate(self._target_rows)}
+        target = self.generator.engine("target")
+        runs: list[list[SequenceState]] = []
+        for seq in sorted(new, key=lambda s: index[id(s)]):
+            if runs and index[id(runs[-1][-1])] + 1 == index[id(seq)]:
+                runs[-1].append(seq)
+            else:
+                runs.append([seq])
+        for run in runs:
+            first = index[id(run[0])]
+            logits = feed_ragged(target.rows(first, first + len(run)), [s.prompt for s in run])
+            tokens, _ = draw_rows(logits, [s.params for s in run], [s.rng for s in run])
+            for seq, token in zip(run, tokens):
+                self.emit(outputs, seq, seq.commit([int(token)]))
+
+    # -- the draft's core ---------------------------------------------------------------------------
+    def on_draft(self, job, *args):
+        """Run ``job`` on the draft's worker thread (pinned to the draft's cores); returns its Future's result
+        after waiting, or the Future with ``wait=False`` semantics via :meth:`submit_draft`."""
+        return self.submit_draft(job, *args).result(timeout=self.draft_timeout_s)
+
+    def submit_draft(self, job, *args):
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft",
+                                            initializer=pin, initargs=(self._draft_cores,))
+        return self._pool.submit(job, *args)
+
+    def draft_failed(self, failure: BaseException) -> None:
+        """A draft job raised, hung or returned garbage: every request finishes without the draft (exactly, as
+        AR), and the draft engine is never used again by this Generator."""
+        self.draft_failure = failure
+        for seq in self._running:
+            seq.speculation = None
+            seq.stats.draft_failures.append(f"{type(failure).__name__}: {failure}")
+        self._draft_rows = []
+        self.generator.engines.retire("draft")
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def planner(self, settings: SSD) -> FanOutPlanner:
+        if settings not in self._planners:
+            self._planners[settings] = FanOutPlanner(settings.draft_len, settings.fan_out_budget,
+                                                     settings.prior_acceptance, settings.prior_power)
+        return self._planners[settings]
+
+    def yield_of(self, settings: SSD) -> Yield:
+        """What adaptive SSD rounds with these request settings produced (keyed by the unadapted settings)."""
+        if settings not in self._yields:
+            self._yields[settings] = Yield(settings.prior_acceptance)
+        return self._yields[settings]
+
+    @property
+    def target_rows(self) -> list[SequenceState]:
+        return self._target_rows
+
+    @property
+    def draft_rows(self) -> list[SequenceState]:
+        return self._draft_rows
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=self.draft_failure is None)
+            self._pool = None

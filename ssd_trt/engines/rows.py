@@ -1,0 +1,77 @@
+"""Row management for continuous batching: sequences join and leave an engine's batch between steps.
+
+* ``select_rows(order)``: the new batch is ``order`` -- each entry an old row to keep (its cache moved, O(its
+  length)) or None for a fresh, empty row. The engine step (``batching/engine.py``) calls it only when the set of
+  running sequences changes, never per step.
+* ``rows(start, stop)``: an engine over the contiguous rows ``start .. stop-1`` only, sharing the cache. A
+  prefill of the sequences that just joined, or a draft step of the rows that draft, pays for those rows alone.
+  :class:`PaddedRows` is the view any engine gets by default: it runs the whole batch and pads the other rows
+  with a discarded token (right on a GPU, where a step's cost barely depends on its rows); the ONNX Runtime
+  engine has a native view that runs the slice only (``engines/ort.py``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ssd_trt.engines.base import FeatureIO, check_keep, checked_rollback
+
+
+def check_order(order: Sequence[int | None], batch: int) -> None:
+    """``order`` must name existing rows at most once each."""
+    kept = [row for row in order if row is not None]
+    if len(set(kept)) != len(kept) or any(not 0 <= row < batch for row in kept):
+        raise ValueError(f"select_rows: rows to keep must be distinct and in [0, {batch}); got {list(order)}")
+
+
+def reorder(array: np.ndarray, order: Sequence[int | None], fill=0) -> np.ndarray:
+    """``array``'s rows in ``order`` (None: a row of ``fill``)."""
+    out = np.full((len(order),) + array.shape[1:], fill, dtype=array.dtype)
+    for new, old in enumerate(order):
+        if old is not None:
+            out[new] = array[old]
+    return out
+
+
+class PaddedRows(FeatureIO):
+    """Rows ``start .. stop-1`` of ``parent``: each step runs every row, the others fed one discarded token per
+    new token (at their own next positions, rolled back at once), so no other row changes."""
+
+    def __init__(self, parent, start: int, stop: int) -> None:
+        self.parent, self.start, self.stop = parent, start, stop
+        self.spec = parent.spec
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.parent.lengths[self.start:self.stop]
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
+                logit_indices: np.ndarray | None = None) -> np.ndarray:
+        before = self.parent.lengths
+        batch, tokens = len(before), input_ids.shape[1]
+        ids = np.zeros((batch, tokens), dtype=np.int64)
+        positions = before[:, None].astype(np.int64) + np.arange(tokens)[None, :]
+        ids[self.start:self.stop], positions[self.start:self.stop] = input_ids, position_ids
+        mask = None
+        if tree_mask is not None:
+            mask = np.broadcast_to(np.tril(np.ones((tokens, tokens), dtype=bool)), (batch, tokens, tokens)).copy()
+            mask[self.start:self.stop] = tree_mask
+        indices = None
+        if logit_indices is not None:
+            indices = np.zeros((batch, np.asarray(logit_indices).shape[1]), dtype=np.int64)
+            indices[self.start:self.stop] = logit_indices
+        logits = self.parent.forward(ids, positions, mask, indices)
+        after = self.parent.lengths
+        after[:self.start], after[self.stop:] = before[:self.start], before[self.stop:]
+        self.parent.rollback(after)
+        return logits[self.start:self.stop]
+
+    def rollback(self, lengths: np.ndarray) -> None:
+        full = self.parent.lengths
+        full[self.start:self.stop] = checked_rollback(full[self.start:self.stop], lengths)
+        self.parent.rollback(full)
+
+    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
+        check_keep(self.lengths, row, start, np.asarray(offsets, dtype=np.int64))
+        self.parent.keep(self.start + row, start, offsets)

@@ -1,0 +1,145 @@
+"""``python -m ssd_trt.serve.triton load-bench BUILD_DIR``: serving under load, against a real tritonserver.
+
+Exports the build to a temporary model repository, starts tritonserver on 127.0.0.1, and measures with the
+example client (``client.py bench``, run in the serving venv):
+
+* the sweep: for ar / sd / ssd and concurrency 1, 2, 4, 8, 16, closed-loop clients (each sends its requests
+  one after another) over the report prompt set: throughput, p50 / p99 latency and time to first token;
+* the mixed workload: 8 requests -- greedy and sampled, ar and ssd, different lengths -- sent all at once,
+  then the same 8 one at a time: aggregate throughput of each and their ratio.
+
+Writes a JSON artifact (``--out``), a PNG beside it, and prints the markdown table of docs/serving.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ssd_trt.bench.prompts import DEFAULT_PROMPTS, load_prompts
+
+CONCURRENCIES = (1, 2, 4, 8, 16)
+MODES = ("ar", "sd", "ssd")
+
+
+def mixed_specs(prompts: list[str]) -> list[dict[str, Any]]:
+    """8 requests: greedy and sampled, ar and ssd, 16 to 64 new tokens."""
+    shapes = [("ar", 0.0, 16), ("ssd", 0.0, 48), ("ar", 0.8, 32), ("ssd", 0.7, 24),
+              ("ssd", 0.0, 64), ("ar", 0.0, 40), ("ssd", 1.0, 16), ("ar", 0.7, 56)]
+    return [{"prompt": prompts[i % len(prompts)], "max_tokens": n, "mode": mode, "temperature": t,
+             "top_p": 0.95 if t else 1.0, "seed": 100 + i if t else None} for i, (mode, t, n) in enumerate(shapes)]
+
+
+def run_client(server, *args: str) -> dict[str, Any]:
+    """``client.py bench`` in the serving venv; its JSON summary."""
+    source_root = str(Path(__file__).resolve().parents[3])
+    path = os.pathsep.join(filter(None, (source_root, os.environ.get("PYTHONPATH"))))
+    proc = subprocess.run([str(server.env.python), "-m", "ssd_trt.serve.triton.client", "bench",
+                           "--grpc-url", server.grpc_url, *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, timeout=1800)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"client bench printed nothing (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int) -> dict[str, Any]:
+    from tqdm import tqdm
+    sweep = []
+    points = [(mode, c) for mode in MODES for c in CONCURRENCIES]
+    for mode, concurrency in tqdm(points, desc="load bench", unit="point"):
+        specs = [{"prompt": p, "max_tokens": max_tokens, "mode": mode} for p in prompts]
+        repeat = max(1, requests_per_point // concurrency)
+        sweep.append(run_client(server, "--specs", json.dumps(specs), "--concurrency", str(concurrency),
+                                "--repeat", str(repeat)))
+    specs = json.dumps(mixed_specs(prompts))
+    together = run_client(server, "--specs", specs, "--concurrency", "8")
+    alone = run_client(server, "--specs", specs, "--concurrency", "1", "--repeat", "8")
+    return {"sweep": sweep, "mixed": {"concurrent": together, "one_at_a_time": alone,
+                                      "throughput_ratio": together["throughput_tok_s"] / alone["throughput_tok_s"]}}
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = ["| mode | concurrency | requests | throughput (tok/s) | vs AR at 1 | p50 latency (s) | p99 latency (s) "
+            "| p50 TTFT (s) | p99 TTFT (s) | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+    base = next(s["throughput_tok_s"] for s in result["sweep"] if s["mode"] == "ar" and s["concurrency"] == 1)
+    for s in result["sweep"]:
+        rows.append(f"| {s['mode']} | {s['concurrency']} | {s['requests']} | {s['throughput_tok_s']:.1f} | "
+                    f"{s['throughput_tok_s'] / base:.2f}x | {s['latency_p50_s']:.2f} | {s['latency_p99_s']:.2f} | "
+                    f"{s['ttft_p50_s']:.3f} | {s['ttft_p99_s']:.3f} | {len(s['errors'])} |")
+    mixed = result["mixed"]
+    rows.append("")
+    rows.append(f"Mixed (8 requests: greedy and sampled, ar and ssd, 16-64 tokens): "
+                f"{mixed['concurrent']['throughput_tok_s']:.1f} tok/s all at once vs "
+                f"{mixed['one_at_a_time']['throughput_tok_s']:.1f} tok/s one at a time = "
+                f"**{mixed['throughput_ratio']:.2f}x**, errors {len(mixed['concurrent']['errors'])} + "
+                f"{len(mixed['one_at_a_time']['errors'])}.")
+    return "\n".join(rows)
+
+
+def plot(result: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for mode in MODES:
+        points = [s for s in result["sweep"] if s["mode"] == mode]
+        axes[0].plot([s["concurrency"] for s in points], [s["throughput_tok_s"] for s in points], marker="o",
+                     label=mode)
+        axes[1].plot([s["concurrency"] for s in points], [s["latency_p99_s"] for s in points], marker="o",
+                     label=mode)
+    for ax, what in zip(axes, ("throughput (tok/s)", "p99 latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(what)
+        ax.legend()
+    fig.suptitle("Triton, continuous batching: one model instance, 2 CPU cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ssd_trt.serve.triton load-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("build_dir", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/serving_load.json"))
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=16, help="requests per sweep point (at least one per client)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts of the report set, cycled")
+    args = parser.parse_args(argv)
+    from ssd_trt.serve.triton.environment import ensure_env
+    from ssd_trt.serve.triton.repository import export_repository
+    from ssd_trt.serve.triton.server import ServerConfig, TritonServer, free_port
+    prompts = [p.prompt for p in load_prompts(DEFAULT_PROMPTS)][::7][:args.prompts]
+    with tempfile.TemporaryDirectory() as root:
+        repo = export_repository(args.build_dir, Path(root) / "repo")
+        server = TritonServer(ServerConfig(repo, free_port(), free_port(), free_port(),
+                                           log_file=Path(root) / "tritonserver.log"), ensure_env())
+        try:
+            server.start().wait_ready(timeout=900)
+            result = measure(server, prompts, args.max_tokens, args.requests)
+            result["metrics"] = [line for line in server.metrics().splitlines() if line.startswith("ssd_trt_")]
+        finally:
+            server.stop()
+    result.update({"build": str(args.build_dir), "max_tokens": args.max_tokens, "prompts": prompts,
+                   "command": "python -m ssd_trt.serve.triton load-bench " + " ".join(argv or sys.argv[1:])})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    png = plot(result, args.out.with_suffix(".png"))
+    print(table(result))
+    print(f"wrote {args.out}" + (f" and {png}" if png else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
