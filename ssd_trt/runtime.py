@@ -17,11 +17,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ssd_trt.batching.engine import LLMEngine
+from ssd_trt.batching.policy import CostCurves
 from ssd_trt.decoding.batch import Sequences, TokenCallback
 from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.modes import strategy_for
 from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.saguaro import overlap_summary
 from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, Settings
+from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.engines.affinity import pinned
 from ssd_trt.engines.factory import EngineSet
 from ssd_trt.errors import ArtifactError, Cancelled, EngineError, SsdTrtError
@@ -58,7 +62,6 @@ class Generator:
                                  self.options.backend, self.options.draft_copy)
         eos = self.manifest.model("target").config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        from ssd_trt.batching.policy import CostCurves
         self.cost_curves = CostCurves()       # step times the engine step's SSD policy compares, measured once
 
     def engine(self, role: str):
@@ -114,7 +117,6 @@ class Generator:
         prompt_ids, resolved = self.check_request(prompt_ids, params, mode)
         if not self.steps(resolved):
             return self._generate_one_batch(prompt_ids, params, resolved, on_tokens)
-        from ssd_trt.batching.engine import LLMEngine
         engine = LLMEngine(self)
         failures: list[BaseException] = []
         callback = _guarded(on_tokens, failures) if on_tokens else None
@@ -197,8 +199,6 @@ class Generator:
 
 def batch_stats(seqs, resolved: ResolvedMode, metrics, started: float) -> dict:
     """One ``generate`` call's statistics: round totals over its requests, the engine's timings, throughput."""
-    from ssd_trt.decoding.saguaro import overlap_summary
-    from ssd_trt.decoding.stats import RoundStats
     elapsed = time.perf_counter() - started
     total = sum(len(seq.tokens) for seq in seqs)
     firsts = [seq.first_token_at for seq in seqs if seq.first_token_at is not None]

@@ -39,6 +39,15 @@ def test_the_readme_results_are_the_report_of_the_benchmark_results_file():
     assert not typed, f"docs/benchmarks.md rows not in the report: {typed[:2]}"
 
 
+def test_the_serving_table_is_the_rendering_of_the_load_bench_artifact():
+    import json
+    from ssd_trt.serve.triton.load_bench import table
+    rendered = table(json.loads((ROOT / "docs/bench/serving_load.json").read_text()))
+    page = (ROOT / "docs/serving.md").read_text()
+    missing = [line for line in rendered.splitlines() if line.strip() and line not in page]
+    assert not missing, f"docs/serving.md lacks lines of the load bench's table: {missing[:2]}"
+
+
 def test_every_relative_link_in_the_pages_leads_to_a_file():
     broken = []
     for page in PAGES:

@@ -114,6 +114,28 @@ def test_a_full_engine_queues_and_refuses_past_its_waiting_limit(gen, encoded, r
         LLMEngine(gen, max_running=gen.limits.max_batch + 1)
 
 
+def test_admission_is_bounded_by_the_kv_budget(gen, encoded):
+    """With KV slots for two requests of (nearly) max context, a third waits although running slots are free;
+    aborting one admits it. A request id in use is refused."""
+    context = gen.limits.max_context
+    engine = LLMEngine(gen, kv_budget_tokens=2 * context)
+    long = SamplingParams(max_new_tokens=context - 100)      # prompt + this reserves nearly max context
+    for i in range(3):
+        engine.add_request(encoded[i], long, "ar", request_id=str(i))
+    engine.step()
+    assert (engine.metrics.active_batch, engine.metrics.waiting) == (2, 1)
+    engine.abort("0")
+    engine.step()
+    assert (engine.metrics.active_batch, engine.metrics.waiting) == (2, 0)
+    engine.abort("1")
+    engine.abort("2")
+    engine.step()
+    assert [engine.take_result(str(i)).finish_reason for i in range(3)] == ["abort"] * 3
+    engine.add_request(encoded[0], long, "ar", request_id="x")
+    with pytest.raises(ValueError, match="request id 'x' is already in use"):
+        engine.add_request(encoded[0], long, "ar", request_id="x")
+
+
 # SSD's backup is set: "auto" picks prompt lookup at a larger live batch, and a different (still exact)
 # proposal draws differently
 SEEDED = [AR(), SD(draft_len=2), SSD(draft_len=1, fan_out_budget=4, backup="jit"),

@@ -16,7 +16,6 @@ import pytest
 
 import ssd_trt
 from ssd_trt.detokenize import Detokenizer
-from ssd_trt.serve.triton.backend import Job, Scheduler
 from ssd_trt.serve.triton.repository import ExportOptions, export_repository
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +25,14 @@ EXACT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CONCURRENT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 CONCURRENCY = 32
 SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.95, seed=7)
+# greedy and sampled, ar and ssd, different lengths (a sampled SSD request's draws depend on the load: its
+# backup follows the live batch size, so only its length is checked)
+MIXED = [{"prompt": p, "max_tokens": n, "mode": m, "temperature": t, "top_p": 0.95 if t else 1.0,
+          "seed": 40 + i if t else None}
+         for i, (p, n, m, t) in enumerate([(CONCURRENT_PROMPTS[0], 16, "ar", 0.0), (CONCURRENT_PROMPTS[1], 30, "ssd", 0.0),
+                                           (CONCURRENT_PROMPTS[2], 24, "ar", 0.8), (CONCURRENT_PROMPTS[3], 12, "ssd", 0.7),
+                                           (CONCURRENT_PROMPTS[0], 28, "ssd", 0.0), (CONCURRENT_PROMPTS[1], 20, "ar", 0.0),
+                                           (CONCURRENT_PROMPTS[2], 18, "ssd", 0.0), (CONCURRENT_PROMPTS[3], 26, "ar", 0.7)])]
 
 
 # -- pieces that need no server ------------------------------------------------------------------
@@ -36,23 +43,6 @@ def test_detokenizer_pieces_concatenate_to_the_final_text():
     sent = [detok.push([1]), detok.push([2]), detok.push([3]), detok.push([4])]
     assert sent[2] == ""                                   # held back: incomplete character
     assert "".join(sent) + detok.finish("Hello w\u00e9") == "Hello w\u00e9"
-
-
-def test_scheduler_batches_only_compatible_greedy_jobs():
-    greedy = ssd_trt.SamplingParams(max_new_tokens=8)
-    sampled = ssd_trt.SamplingParams(max_new_tokens=8, temperature=0.7, seed=1)
-    jobs = [Job([1], greedy, "ssd", True, None), Job([2], sampled, "ssd", True, None),
-            Job([3], greedy, "ssd", False, None), Job([4], greedy, "ar", True, None),
-            Job([5], ssd_trt.SamplingParams(max_new_tokens=8, seed=9), "ssd", True, None),
-            Job([6], greedy, "ssd", True, None), Job([7], greedy, "ssd", True, None)]
-    batches: list[list[int]] = []
-    scheduler = Scheduler(lambda batch: batches.append([j.prompt_ids[0] for j in batch]), max_rows=3,
-                          autostart=False)
-    for job in jobs:
-        scheduler.submit(job)
-    scheduler.start()
-    scheduler.close()                    # drains the queue, then stops
-    assert batches == [[1, 3, 5], [2], [4], [6, 7]]
 
 
 def test_export_writes_two_models_with_trtllm_tensor_names(smollm2_build, tmp_path):
@@ -104,6 +94,11 @@ def references(smollm2_build) -> dict[tuple[str, str], list[int]]:
     as_fp32 = {k: float(np.float32(v)) if isinstance(v, float) else v for k, v in SAMPLED.items()}  # wire type
     sampled = ssd_trt.SamplingParams(max_new_tokens=MAX_TOKENS, **as_fp32)
     refs[("sampled", EXACT_PROMPTS[0])] = gen.generate(EXACT_PROMPTS[0], sampled, mode="ar")[0]
+    for spec in MIXED:                    # each mixed request alone (greedy, or sampled AR with its seed)
+        params = ssd_trt.SamplingParams(max_new_tokens=spec["max_tokens"], temperature=spec["temperature"],
+                                        top_p=float(np.float32(spec["top_p"])), seed=spec["seed"])
+        refs[("mixed", spec["prompt"], spec["max_tokens"])] = gen.generate(spec["prompt"], params,
+                                                                            mode=spec["mode"])[0]
     return {key: (r.text, r.token_ids) for key, r in refs.items()}
 
 
@@ -115,7 +110,8 @@ def server(smollm2_build, references, tmp_path_factory):
     env = ensure_env()
     root = tmp_path_factory.mktemp("triton")
     repo = export_repository(smollm2_build, root / "repo")
-    triton = TritonServer(ServerConfig(repo, free_port(), free_port(), log_file=root / "tritonserver.log"), env)
+    triton = TritonServer(ServerConfig(repo, free_port(), free_port(), free_port(), log_file=root / "tritonserver.log"),
+                          env)
     try:
         triton.start().wait_ready(timeout=600)
         yield triton
@@ -182,6 +178,26 @@ def test_32_concurrent_streams_match_one_at_a_time(server, references, tmp_path_
           f"{summary['throughput_tok_s']:.1f} tok/s, p50 {summary['latency_p50_s']:.2f}s, "
           f"p99 {summary['latency_p99_s']:.2f}s, wall {summary['wall_s']:.1f}s")
     (tmp_path_factory.getbasetemp() / "triton-bench.json").write_text(json.dumps(summary, indent=1))
+
+
+@pytest.mark.slow
+def test_mixed_requests_share_rounds_exactly_and_the_engine_metrics_are_exported(server, references):
+    """8 requests of different modes, temperatures and lengths, sent at once, run in shared rounds (continuous
+    batching): greedy and seeded sampled AR requests give what they give alone; the engine's gauges report."""
+    [summary] = client(server, "bench", "--specs", json.dumps(MIXED), "--concurrency", str(len(MIXED)), "--full")
+    assert summary["errors"] == []
+    for spec, r in zip(MIXED, summary["results"]):
+        text, ids = references[("mixed", spec["prompt"], spec["max_tokens"])]
+        if spec["temperature"] == 0 or spec["mode"] == "ar":
+            assert (r["token_ids"], r["text"]) == (ids, text), spec
+        else:
+            assert 0 < len(r["token_ids"]) <= spec["max_tokens"]
+    metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in server.metrics().splitlines()
+               if line.startswith("ssd_trt_")}
+    assert set(metrics) == {"ssd_trt_acceptance_rate", "ssd_trt_mean_accepted_length", "ssd_trt_cache_hit_rate",
+                            "ssd_trt_active_batch", "ssd_trt_waiting_requests"}, metrics
+    assert 0 < metrics["ssd_trt_acceptance_rate"] <= 1 and 0 <= metrics["ssd_trt_cache_hit_rate"] <= 1
+    assert metrics["ssd_trt_mean_accepted_length"] > 0 and metrics["ssd_trt_waiting_requests"] == 0
 
 
 BAD_REQUESTS = [

@@ -34,7 +34,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ssd_trt.batching.policy import CostCurves, Yield, choose
+import numpy as np
+
+from ssd_trt.batching.policy import CostCurves, LoadPolicy, Yield
 from ssd_trt.batching.round import RoundPlan, run_round
 from ssd_trt.batching.sequence import SequenceState
 from ssd_trt.decoding.fan_out import FanOutPlanner
@@ -51,6 +53,33 @@ def is_adaptive(mode: "str | Settings") -> bool:
     """An SSD request that leaves K and the budget to the build adapts them to the load (``policy.py``)."""
     settings = settings_for(mode)
     return isinstance(settings, SSD) and settings.draft_len is None and settings.fan_out_budget is None
+
+
+def least_moves(ordered: list[SequenceState], group, previous: dict[int, int]) -> list[SequenceState]:
+    """``ordered`` (grouped) rearranged within each group so that as many rows as possible keep their index:
+    a row that stays in its group's range stays put, the others fill the gaps. A request that leaves then
+    moves one row (the group's last) into its place, not every row after it."""
+    out: list[SequenceState] = []
+    start = 0
+    while start < len(ordered):
+        stop = start
+        while stop < len(ordered) and group(ordered[stop]) == group(ordered[start]):
+            stop += 1
+        members = ordered[start:stop]
+        slots: list[SequenceState | None] = [None] * len(members)
+        movers = []
+        for seq in members:
+            index = previous.get(id(seq))
+            if index is not None and start <= index < stop and slots[index - start] is None:
+                slots[index - start] = seq
+            else:
+                movers.append(seq)
+        for i in range(len(slots)):
+            if slots[i] is None:
+                slots[i] = movers.pop(0)
+        out += slots
+        start = stop
+    return out
 
 
 class CapacityError(RequestError):
@@ -102,13 +131,22 @@ class LLMEngine:
     run one LLMEngine at a time per Generator)."""
 
     def __init__(self, generator, max_running: int | None = None, max_waiting: int = 1024,
-                 calibrate: bool = False) -> None:
-        limit = generator.limits.max_batch
+                 kv_budget_tokens: int | None = None, calibrate: bool = False) -> None:
+        """``max_running``: requests decoded together (default and at most: the engine's max batch).
+        ``max_waiting``: requests queued beyond those; one more is refused (CapacityError).
+        ``kv_budget_tokens``: KV-cache slots per engine the running requests may reserve (default: max_running x
+        max_context, all the engine can hold); a request that would exceed it waits.
+        ``calibrate``: time the engines for the SSD load policy now rather than at the first batched round."""
+        limit, context = generator.limits.max_batch, generator.limits.max_context
         if max_running is not None and not 1 <= max_running <= limit:
             raise RequestError(f"max_running must be in 1..{limit} (the engine's max batch), got {max_running}")
         self.generator = generator
         self.max_running = max_running or limit
         self.max_waiting = max_waiting
+        self.kv_budget_tokens = kv_budget_tokens or self.max_running * context
+        if self.kv_budget_tokens < context:
+            raise RequestError(f"kv_budget_tokens must hold at least one request of max context {context}, got "
+                               f"{self.kv_budget_tokens}")
         self.metrics = EngineMetrics()
         self.created = time.perf_counter()
         self._lock = threading.Lock()
@@ -122,6 +160,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._planners: dict[SSD, FanOutPlanner] = {}
         self._yields: dict[SSD, Yield] = {}
+        self._policies: dict[SSD, LoadPolicy] = {}
         self.draft_failure: BaseException | None = None
         placement = generator.options.placement("draft")
         self._draft_cores, self.draft_timeout_s = placement.cores, placement.timeout_s
@@ -144,7 +183,14 @@ class LLMEngine:
         if resolved.name != "ar" and self.generator.engine("draft").takes_target_features:
             raise RequestError("this build's draft reads the target's features (EAGLE-3), which the engine step "
                                "does not relay yet: use Generator.generate, or mode='ar'")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        with self._lock:
+            known = {s.request_id for s in [*self._incoming, *self._waiting, *self._running]} | set(self._results)
+        if request_id is None:
+            request_id = next(str(n) for n in self._ids if str(n) not in known)
+        request_id = str(request_id)
+        if request_id in known:
+            raise RequestError(f"request id {request_id!r} is already in use (running, waiting or not yet "
+                               f"collected with take_result)")
         tokenizer = self.generator.tokenizer
         seq = SequenceState.create(request_id, ids, params, resolved, self.generator.eos_ids,
                                    lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), stream,
@@ -168,6 +214,8 @@ class LLMEngine:
 
     def take_result(self, request_id: str) -> SequenceState:
         """A finished request's state (tokens, finish reason, stats, text via ``.text(decode)``); once."""
+        if str(request_id) not in self._results:
+            raise KeyError(f"request {request_id!r} has not finished (or its result was already taken)")
         return self._results.pop(str(request_id))
 
     # -- the step -----------------------------------------------------------------------------------
@@ -175,10 +223,14 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         self._schedule(outputs)
         if self._running:
-            plans = self._plan(self._running)
+            plans, chosen = self._plan(self._running)
             self._lay_out(plans)
             self._prefill([seq for seq in self._target_rows if seq.unfed is None and not seq.tokens], outputs)
+            tokens, started = self.metrics.generated_tokens, time.perf_counter()
             run_round(self, plans, outputs)
+            for policy, name in chosen:     # what the round the policy chose produced (prefill excluded)
+                policy.observe(len(self._target_rows), name, self.metrics.generated_tokens - tokens,
+                               time.perf_counter() - started)
             self.metrics.steps += 1
             self.metrics.active_batch = len(self._target_rows)
         for seq in [s for s in self._running if s.finished]:
@@ -186,6 +238,7 @@ class LLMEngine:
             self._results[seq.request_id] = seq
         if not self._running:                  # nothing live: the next request starts on fresh rows
             self._target_rows, self._draft_rows = [], []
+            self.draft_failure = None          # and with a fresh draft engine (the failed one was retired)
         return list(outputs.values())
 
     def emit(self, outputs: dict[str, RequestOutput], seq: SequenceState, tokens: list[int]) -> None:
@@ -215,13 +268,15 @@ class LLMEngine:
 
     def _fits(self, seq: SequenceState) -> bool:
         """KV memory: the caches are dense (rows x the longest row), so one more request fits while
-        (rows + 1) x the longest request's need stays within max_running x max_context slots."""
+        (rows + 1) x the longest request's need (prompt + max new tokens + the mode's headroom) stays within
+        the budget."""
         need = max(len(s.prompt) + s.params.max_new_tokens + s.resolved.headroom for s in self._running + [seq])
-        return (len(self._running) + 1) * need <= self.max_running * self.generator.limits.max_context
+        return (len(self._running) + 1) * need <= self.kv_budget_tokens
 
-    def _plan(self, running: list[SequenceState]) -> dict[int, RoundPlan]:
+    def _plan(self, running: list[SequenceState]) -> tuple[dict[int, RoundPlan], list[tuple[LoadPolicy, str]]]:
         """How each request runs this round. Adaptive SSD requests (K and budget left to the build) follow the
-        measured policy for the live batch; a request that set K runs as set; without a working draft, AR."""
+        load policy for the live batch (``policy.py``); a request that set K runs as set; without a working
+        draft, every request runs AR rounds. Also: the policies that chose, and what."""
         batch, plans = len(running), {}
         choices: dict[SSD, object] = {}
         for seq in running:
@@ -235,11 +290,13 @@ class LLMEngine:
             else:
                 if settings not in choices:
                     self._calibrate([settings])
-                    choices[settings] = choose(settings, batch, self.costs, self.yield_of(settings))
-                    self.metrics.last_choice = {"batch": batch, **choices[settings].alternatives}
-                chosen = choices[settings].settings
-                plans[id(seq)] = RoundPlan("ar", None) if chosen is None else RoundPlan("ssd", chosen, settings)
-        return plans
+                    policy = self._policies.setdefault(settings, LoadPolicy())
+                    choices[settings] = (policy, policy.choose(settings, batch, self.costs, self.yield_of(settings)))
+                    self.metrics.last_choice = {"batch": batch, "chose": choices[settings][1].name,
+                                                **choices[settings][1].scores}
+                chosen = choices[settings][1].settings
+                plans[id(seq)] = RoundPlan("ssd", chosen, settings)    # chosen None: speculation paused
+        return plans, [(policy, choice.name) for policy, choice in choices.values()]
 
     def _calibrate(self, settings: list[SSD]) -> None:
         """Time the engines at the step shapes the policy compares, for every batch size up to max_running,
@@ -265,9 +322,11 @@ class LLMEngine:
         """Order the rows [SSD groups | SD | AR]; rearrange the caches only when that order changed."""
         def group(seq: SequenceState) -> tuple:
             plan = plans[id(seq)]
-            return ({"ssd": 0, "sd": 1, "ar": 2}[plan.kind], repr(plan.settings) if plan.kind == "ssd" else "")
+            return ({"ssd": 0, "sd": 1, "ar": 2}[plan.kind],
+                    repr(plan.family or plan.settings) if plan.kind == "ssd" else "")
         previous = {id(s): i for i, s in enumerate(self._target_rows)}
-        ordered = sorted(self._running, key=lambda s: (group(s), previous.get(id(s), len(previous))))
+        ordered = least_moves(sorted(self._running, key=lambda s: (group(s), previous.get(id(s), len(previous)))),
+                              group, previous)
         if [id(s) for s in ordered] != [id(s) for s in self._target_rows]:
             self.generator.engine("target").select_rows([previous.get(id(s)) for s in ordered])
         drafted = [s for s in ordered if plans[id(s)].kind != "ar"]
@@ -280,7 +339,8 @@ class LLMEngine:
                 seq.draft_pending = seq.history[:-1] if seq.tokens else list(seq.prompt)
                 seq.speculation = None
             plan = plans[id(seq)]
-            if seq.speculation is not None and (plan.kind != "ssd" or len(seq.speculation.tokens) != plan.settings.draft_len):
+            if seq.speculation is not None and (plan.kind != "ssd" or plan.settings is None
+                                                or len(seq.speculation.tokens) != plan.settings.draft_len):
                 seq.speculation = None
         self._target_rows = ordered
         if drafted and [id(s) for s in drafted] != [id(s) for s in self._draft_rows]:
@@ -298,8 +358,13 @@ class LLMEngine:
         target = self.generator.engine("target")
         runs: list[list[SequenceState]] = []
         for seq in sorted(new, key=lambda s: index[id(s)]):
-            if runs and index[id(runs[-1][-1])] + 1 == index[id(seq)]:
-                runs[-1].append(seq)
+            run = runs[-1] if runs else []
+            longest = max([len(s.prompt) for s in run + [seq]])
+            # one forward for adjacent rows while right-padding to the longest wastes < 15% (a prefill costs
+            # the same per token at any batch on a CPU: padding is pure loss)
+            if run and index[id(run[-1])] + 1 == index[id(seq)] and \
+                    longest * (len(run) + 1) <= 1.15 * sum(len(s.prompt) for s in run + [seq]):
+                run.append(seq)
             else:
                 runs.append([seq])
         for run in runs:
@@ -329,7 +394,12 @@ class LLMEngine:
             seq.speculation = None
             seq.stats.draft_failures.append(f"{type(failure).__name__}: {failure}")
         self._draft_rows = []
+        failed = self.generator.engines.opened.get("draft")
         self.generator.engines.retire("draft")
+        try:                                  # its slots are given back, as every engine's are after a request
+            failed.rollback(np.zeros_like(failed.lengths))
+        except Exception:  # noqa: BLE001 -- a broken engine may refuse even that; it is never used again
+            pass
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

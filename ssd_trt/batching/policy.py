@@ -1,4 +1,4 @@
-"""How SSD runs at the live batch size, from measured cost curves (SSD paper, sec. 4.3 and 5).
+"""How SSD runs at the live batch size, from measured costs (SSD paper, sec. 4.3 and 5).
 
 With b sequences in a round, the round waits for a backup whenever any of them misses the speculation cache:
 P(some miss) = 1 - p_hit^b. A just-in-time neural backup costs a synchronous draft of K tokens for the batch;
@@ -9,11 +9,13 @@ estimates tokens per second for the whole batch,
 
     b * E[tokens per round] / (max(verify(b, K'+1), speculate(b, K')) + P(some miss) * backup(b, K'))
 
-and runs the best. E[tokens per round] = 1 + p_hit * A_hit(K') + (1 - p_hit) * A_backup(K'), with the
+and ranks them. E[tokens per round] = 1 + p_hit * A_hit(K') + (1 - p_hit) * A_backup(K'), with the
 acceptances A and the hit rate p_hit measured online from the rounds run so far (exponential averages, per K'
 and source; before any round, from the settings' prior acceptance a: A(K') = a + ... + a^K'). The step
 times are measured on the engines (:class:`CostCurves`): each timed once per (batch, tokens) shape when
-first needed, then updated by every round that runs that shape.
+first needed, then updated by every round that runs that shape. The model only ranks options not yet
+measured: :class:`LoadPolicy` then goes by each option's measured rate at that load (tokens per second of
+whole rounds, everything included) and keeps re-measuring the runner-up now and then.
 """
 from __future__ import annotations
 
@@ -88,15 +90,16 @@ class Yield:
 @dataclass(frozen=True)
 class Choice:
     """What a round of adaptive SSD rows runs: ``settings`` (K, backup), or None for an autoregressive round;
-    with the estimate that chose it (tokens per second for the batch) and the alternatives'."""
+    the option's name, and every option's score (tokens per second for the batch)."""
+    name: str
     settings: SSD | None
-    estimate: float
-    alternatives: dict[str, float]
+    scores: dict[str, float]
 
 
-def choose(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> Choice:
-    """The best of: no speculation, or K' = 1..K with each allowed backup, for ``batch`` live sequences."""
-    options: dict[str, tuple[SSD | None, float]] = {"ar": (None, batch / costs.cost("target", batch, 1))}
+def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> dict[str, tuple[SSD | None, float]]:
+    """Every option for ``batch`` live sequences -- no speculation, or K' = 1..K with each allowed backup -- and
+    the model's estimate of its tokens per second (module doc)."""
+    out: dict[str, tuple[SSD | None, float]] = {"ar": (None, batch / costs.cost("target", batch, 1))}
     p_hit = PRIOR_HIT_RATE if measured.hit_rate is None else measured.hit_rate
     backups = ("jit", "ngram") if settings.backup == "auto" else (settings.backup,)
     for draft_len in range(1, settings.draft_len + 1):
@@ -108,10 +111,82 @@ def choose(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> Cho
             per_round = 1 + p_hit * measured.acceptance(draft_len, "primary") + \
                 (1 - p_hit) * measured.acceptance(draft_len, backup)
             wait = (1 - p_hit ** batch) * costs.cost("draft", batch, 1) * draft_len if backup == "jit" else 0.0
-            options[f"ssd K={draft_len} {backup}"] = (replace(candidate, backup=backup),
-                                                      batch * per_round / (max(verify, speculate) + wait))
-    best = max(options, key=lambda name: options[name][1])
-    return Choice(options[best][0], options[best][1], {name: round(value, 2) for name, (_, value) in options.items()})
+            out[f"ssd K={draft_len} {backup}"] = (replace(candidate, backup=backup),
+                                                  batch * per_round / (max(verify, speculate) + wait))
+    return out
+
+
+def batch_bucket(batch: int) -> int:
+    """Live batch sizes measured together: 1, 2, 3-4, 5-8, 9-16, ..."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+@dataclass
+class Rate:
+    """Running average of the tokens a round produced and the seconds it took, for one option at one load."""
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        weight = 1.0 if self.rounds == 0 else EMA
+        self.tokens += weight * (tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
+        self.rounds += 1
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class LoadPolicy:
+    """Which option adaptive SSD requests (one settings family) run at each load.
+
+    The model (:func:`options`) ranks the options until an option has been measured ``MEASURED_AFTER`` rounds
+    at this batch bucket; from then on its measured rate (every round's tokens and wall time, Python included)
+    stands in for the estimate. Now and then the runner-up runs ``EXPLORE_ROUNDS`` rounds in a row, so a rate
+    measured under other conditions is refreshed and an option the model underrated is found: every
+    ``EXPLORE_EVERY`` rounds of a bucket while it scores within 20% of the best, four times as rarely otherwise.
+    The first round after a switch pays for the switch (e.g. the draft catching up on a paused row) and is not
+    recorded."""
+    rates: dict[tuple[int, str], Rate] = field(default_factory=dict)
+    rounds: dict[int, int] = field(default_factory=dict)
+    exploring: dict[int, tuple[str, int]] = field(default_factory=dict)   # bucket: (option, rounds left)
+    last: str | None = None
+
+    MEASURED_AFTER = 3
+    EXPLORE_EVERY = 16
+    EXPLORE_ROUNDS = 3
+
+    def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> Choice:
+        bucket = batch_bucket(batch)
+        candidates = options(settings, batch, costs, measured)
+        scores = {}
+        for name, (_, estimate) in candidates.items():
+            rate = self.rates.get((bucket, name))
+            scores[name] = rate.per_second if rate is not None and rate.rounds >= self.MEASURED_AFTER else estimate
+        ranked = sorted(scores, key=lambda name: -scores[name])
+        count = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
+        name = ranked[0]
+        if bucket in self.exploring:
+            name, left = self.exploring.pop(bucket)
+            if left > 1:
+                self.exploring[bucket] = (name, left - 1)
+        elif len(ranked) > 1:
+            close = scores[ranked[1]] >= 0.8 * scores[ranked[0]]
+            if count % (self.EXPLORE_EVERY if close else 4 * self.EXPLORE_EVERY) == 0:
+                name = ranked[1]
+                self.exploring[bucket] = (name, self.EXPLORE_ROUNDS - 1)
+        return Choice(name, candidates[name][0], {n: round(v, 1) for n, v in scores.items()})
+
+    def observe(self, batch: int, name: str, tokens: int, seconds: float) -> None:
+        switched, self.last = self.last is not None and name != self.last, name
+        if not switched:
+            self.rates.setdefault((batch_bucket(batch), name), Rate()).observe(tokens, seconds)
+
+    def describe(self) -> dict:
+        return {f"{bucket} {name}": round(rate.per_second, 1) for (bucket, name), rate in sorted(self.rates.items())}
 
 
 def timed_steps(engine, rows: int, token_counts: list[int], context: int = 32, repeats: int = 3

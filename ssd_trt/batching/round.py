@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RoundPlan:
     """How one request runs this round: ar | sd | ssd, with the settings in force (an adaptive SSD request's as
-    the policy chose them) and, for adaptive SSD, the request's own settings (``family``: what the policy adapts
-    and what its measurements are filed under)."""
+    the policy chose them; None: speculation paused, an autoregressive round that keeps the request's draft
+    row, so that resuming feeds the draft only what it missed) and, for adaptive SSD, the request's own settings
+    (``family``: what the policy adapts and what its measurements are filed under)."""
     kind: str
     settings: SD | SSD | None
     family: SSD | None = None
@@ -66,10 +67,9 @@ def run_round(engine: "LLMEngine", plans: dict[int, RoundPlan], outputs: dict[st
     verify_started = time.perf_counter()
     outcomes = verify(engine, rows, proposals, outputs)
     verified = time.perf_counter()
-    for (first, stop), future in zip(groups, futures):          # the draft cache sees the verified glue
-        for i in range(first, stop):
-            if outcomes[i] is not None:
-                rows[i].draft_pending += [int(t) for t in outcomes[i][0]]
+    for i in range(len(drafted)):            # SSD rows, speculating or paused: the draft will see the verified glue
+        if plan[i].kind == "ssd" and outcomes[i] is not None:
+            rows[i].draft_pending += [int(t) for t in outcomes[i][0]]
     caches = [wait_for(engine, future) for future in futures]
     looked_up = time.perf_counter()
     if chain is not None:
@@ -106,7 +106,7 @@ def record_times(engine: "LLMEngine", times: tuple[float, float, float], caches:
 def propose(engine: "LLMEngine", rows: list[SequenceState], drafted: list[SequenceState],
             plan: list[RoundPlan]) -> ChainDraft | None:
     wanted = [i for i in range(len(drafted)) if not rows[i].finished and
-              (plan[i].kind == "sd" or rows[i].speculation is None)]
+              (plan[i].kind == "sd" or (plan[i].settings is not None and rows[i].speculation is None))]
     if not wanted or engine.draft_failure is not None:
         return None
     first = wanted[0]
@@ -134,9 +134,9 @@ def draft_chain(engine: "LLMEngine", first: int, seqs: list[SequenceState], plan
     """(On the draft's thread.) The one draft loop over draft rows ``first`` onwards; rows not ``wanted`` are
     fed along (their pending tokens enter the cache) but draw nothing."""
     draft = engine.generator.engine("draft").rows(first, first + len(seqs))
-    lengths = [p.settings.draft_len for p in plans]
+    lengths = [0 if p.settings is None else p.settings.draft_len for p in plans]
     most = max(k for k, w in zip(lengths, wanted) if w)
-    shapes = [engine.planner(p.settings).shape("backup") if p.kind == "ssd" else None for p in plans]
+    shapes = [engine.planner(p.settings).shape("backup") if p.kind == "ssd" and p.settings else None for p in plans]
     sampled = any(not s.params.greedy for s, w in zip(seqs, wanted) if w)
 
     def draw(logits: np.ndarray, i: int):
@@ -163,12 +163,12 @@ def draft_chain(engine: "LLMEngine", first: int, seqs: list[SequenceState], plan
 
 
 def ssd_groups(drafted: list[SequenceState], plan: list[RoundPlan]) -> list[tuple[int, int]]:
-    """Runs of SSD rows with the same settings (the layout puts each group together, first)."""
+    """Runs of speculating SSD rows with the same settings (the layout puts each family together, first)."""
     groups: list[tuple[int, int]] = []
     for i in range(len(drafted)):
-        if plan[i].kind != "ssd":
-            break
-        if groups and plan[groups[-1][0]].settings == plan[i].settings:
+        if plan[i].kind != "ssd" or plan[i].settings is None:
+            continue
+        if groups and groups[-1][1] == i and plan[groups[-1][0]].settings == plan[i].settings:
             groups[-1] = (groups[-1][0], i + 1)
         else:
             groups.append((i, i + 1))

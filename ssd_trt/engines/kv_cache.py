@@ -17,12 +17,15 @@ INITIAL_CAPACITY = 128
 
 
 class KVCache:
+    """Buffers [rows, Hkv, S, D] per layer and kind. ``rows`` >= the live batch: continuous batching moves
+    rows in place (``select_rows``) and a leaving sequence frees its row without copying the others."""
+
     def __init__(self, spec: EngineSpec, batch: int) -> None:
         check_batch(spec, batch)
         self.spec = spec
         self.lengths = np.zeros(batch, dtype=np.int32)
         self.buffers: list[np.ndarray] = []
-        self._allocate(min(INITIAL_CAPACITY, spec.max_context))
+        self._allocate(batch, min(INITIAL_CAPACITY, spec.max_context))
 
     @property
     def batch(self) -> int:
@@ -32,12 +35,13 @@ class KVCache:
     def capacity(self) -> int:
         return self.buffers[0].shape[2]
 
-    def _allocate(self, capacity: int) -> None:
+    def _allocate(self, rows: int, capacity: int) -> None:
         s = self.spec
-        shape = (self.batch, s.num_kv_heads, capacity, s.head_dim)
+        shape = (rows, s.num_kv_heads, capacity, s.head_dim)
         new = [np.zeros(shape, dtype=np.float32) for _ in range(2 * s.num_layers)]
         for old, fresh in zip(self.buffers, new):
-            fresh[:, :, :old.shape[2]] = old
+            kept = min(old.shape[0], rows)
+            fresh[:kept, :, :old.shape[2]] = old[:kept]
         self.buffers = new
 
     def reserve(self, num_new: int) -> bool:
@@ -49,19 +53,27 @@ class KVCache:
         capacity = self.capacity
         while capacity < needed:
             capacity *= 2
-        self._allocate(min(capacity, self.spec.max_context))
+        self._allocate(self.buffers[0].shape[0], min(capacity, self.spec.max_context))
         return True
 
     def rollback(self, lengths: np.ndarray) -> None:
         self.lengths = checked_rollback(self.lengths, lengths)
 
-    def select_rows(self, order: Sequence[int | None]) -> None:
-        """The batch becomes ``order``: old rows kept (their slots copied) or None for an empty row
-        (``engines/rows.py``); the capacity is kept."""
+    def select_rows(self, order: Sequence[int | None]) -> bool:
+        """The batch becomes ``order``: old rows kept or None for an empty row (``engines/rows.py``). Only rows
+        whose index changes are copied; True when the buffers were replaced (more rows than allocated)."""
         check_order(order, self.batch)
         check_batch(self.spec, len(order))
-        self.buffers = [reorder(buffer, order) for buffer in self.buffers]
+        grown = len(order) > self.buffers[0].shape[0]
+        if grown:
+            self._allocate(min(max(len(order), 2 * self.buffers[0].shape[0]), self.spec.max_batch), self.capacity)
+        moves = [(new, old) for new, old in enumerate(order) if old is not None and old != new]
+        if moves:
+            targets, sources = [new for new, _ in moves], [old for _, old in moves]
+            for buffer in self.buffers:
+                buffer[targets] = buffer[sources]          # gathered first (a copy): rows may overlap
         self.lengths = reorder(self.lengths, order)
+        return grown
 
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         """Compact a tree step: slots start+offsets[i] become start+i (the accepted path)."""

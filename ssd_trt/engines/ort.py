@@ -32,7 +32,8 @@ class OrtEngine(FeatureIO):
         Row-exact steps (with ``int8_activations``): ONNX Runtime runs a one-row step through another int8
         kernel than a step of two or more rows, and the two disagree (logits by up to 0.53),
         while steps of 2, 3, 4 or 9 rows give each row bit-identical logits. So a one-token step is fed
-        with a second, discarded row: every step takes the multi-row kernel, and a verification of K+1
+        with a second, discarded row (needed at every batch size: a 16-row step of one token each did not
+        give the 2-token step's logits, tests/test_engine_step.py): every step takes the multi-row kernel, and a verification of K+1
         tokens computes exactly what K+1 decode steps compute (SD/SSD token-identical to AR). The extra
         row costs ~10% of a decode step (18.8 -> 20.8 ms, SmolLM2-135M, one core; both numbers from
         research/cpu/measure_row_exact.py); the KV cache keeps one scratch slot beyond max_context for it."""
@@ -94,8 +95,7 @@ class OrtEngine(FeatureIO):
         if self.cache is None:
             check_order(order, 0)
             self.reset(len(order))
-        else:
-            self.cache.select_rows(order)
+        elif self.cache.select_rows(order):    # rows moved in place keep their bindings; new buffers do not
             self._bindings = {}
 
     def rows(self, start: int, stop: int) -> "OrtRows":

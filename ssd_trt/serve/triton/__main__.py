@@ -47,7 +47,8 @@ def _start(args: argparse.Namespace) -> int:
     from ssd_trt.serve.triton.server import ServerConfig, TritonServer
     env = ensure_env(Path(args.venv) if args.venv else None)
     server = TritonServer(ServerConfig(Path(args.repository), args.http_port, args.grpc_port,
-                                       Path(args.log_file) if args.log_file else None, args.verbose), env)
+                                       args.metrics_port or None, Path(args.log_file) if args.log_file else None,
+                                       args.verbose), env)
 
     def stop(signum, frame):                      # noqa: ARG001
         raise KeyboardInterrupt
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--model-name", default="ssd_trt")
     export.add_argument("--instances", type=int, default=1, help="model instances (each loads the engines)")
     export.add_argument("--max-batch-rows", type=int, default=0,
-                        help="greedy requests decoded together per call (0 = the engine's max batch; 1 = off)")
+                        help="requests decoded together (0 = the engine's max batch; 1 = one at a time)")
     export.add_argument("--runtime-options", default="{}",
                         help='RuntimeOptions as JSON, e.g. \'{"target_threads": 2, "target_cores": null}\'')
     export.add_argument("--no-verify", action="store_true", help="skip artifact checksums at load")
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("repository")
     start.add_argument("--http-port", type=int, default=8000)
     start.add_argument("--grpc-port", type=int, default=8001)
+    start.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics (0: off)")
     start.add_argument("--log-file", help="server log (default: this terminal)")
     start.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
     start.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the models to load")

@@ -14,6 +14,7 @@ passed in rather than imported here.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import traceback
@@ -30,7 +31,7 @@ from ssd_trt.engines.affinity import pin
 from ssd_trt.errors import RequestError, SsdTrtError
 from ssd_trt.runtime import DEFAULT_MODE, MODES, Generator, RuntimeOptions
 
-OPTIONAL_INPUTS = ("temperature", "top_p", "top_k", "random_seed", "stream", "mode", "chat")
+OPTIONAL_INPUTS = ("temperature", "top_p", "top_k", "random_seed", "stream", "mode", "chat", "ignore_eos")
 WARMUP_PROMPT = "Hello"
 
 
@@ -69,6 +70,14 @@ def _text(value, name: str) -> str:
     return str(value)
 
 
+def _stop_words(request, pb_utils) -> tuple[str, ...]:
+    """The optional ``stop_words`` input: any number of UTF-8 stop strings."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "stop_words")
+    if tensor is None:
+        return ()
+    return tuple(_text(value, "stop_words") for value in tensor.as_numpy().reshape(-1))
+
+
 def parse_request(request, pb_utils, generator: Generator, streaming_model: bool) -> Job:
     """Validate one request completely (so that a batch never fails because of one bad member)."""
     prompt = _text(_one_value(request, pb_utils, "text_input", required=True), "text_input")
@@ -89,7 +98,8 @@ def parse_request(request, pb_utils, generator: Generator, streaming_model: bool
         temperature=0.0 if values["temperature"] is None else float(values["temperature"]),
         top_p=1.0 if values["top_p"] is None else float(values["top_p"]),
         top_k=0 if values["top_k"] is None else int(values["top_k"]),
-        seed=None if values["random_seed"] is None else int(values["random_seed"]))
+        seed=None if values["random_seed"] is None else int(values["random_seed"]),
+        stop_on_eos=not bool(values["ignore_eos"]), stop=_stop_words(request, pb_utils))
     ids = generator.encode(prompt, chat=bool(values["chat"]) if values["chat"] is not None else False)
     [ids], _ = generator.check_request([ids], params, mode)     # the runtime's one request check
     return Job(ids, params, mode, stream, request.get_response_sender())
@@ -165,7 +175,12 @@ class EngineGauges:
                          for name, (description, _) in METRICS.items()}
         self.gauges = {name: f.Metric(labels={"model": model}) for name, f in self.families.items()}
 
-    def update(self, metrics) -> None:
+    def update(self, metrics, every_s: float = 0.0) -> None:
+        """Set the gauges (each set is a message to the server: at most once per ``every_s`` seconds)."""
+        now = time.perf_counter()
+        if now - getattr(self, "_last", -every_s) < every_s:
+            return
+        self._last = now
         for name, (_, attribute) in METRICS.items():
             if name in self.gauges:
                 value = getattr(metrics, attribute)
@@ -186,6 +201,9 @@ class ModelServer:
         self.jobs: dict[str, Job] = {}
         self._ids = 0
         self._lock = threading.Lock()
+        self._outbox: queue.Queue = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name="ssd-trt-send", daemon=True)
+        self._sender.start()
         self.loop = StepLoop(self.engine, self._deliver, self._idle, self.fail_all, generator.options.target_cores)
 
     @classmethod
@@ -237,11 +255,13 @@ class ModelServer:
     def close(self) -> None:
         self.loop.close()
         self.engine.close()
+        self._outbox.put(None)
+        self._sender.join(30.0)
 
     # -- the loop's callbacks (the step thread) -------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Stream each request's new text; finish the finished ones; abort the ones whose client went away."""
-        self.gauges.update(self.engine.metrics)
+        self.gauges.update(self.engine.metrics, every_s=0.5)
         for output in outputs:
             with self._lock:
                 job = self.jobs.get(output.request_id)
@@ -291,14 +311,21 @@ class ModelServer:
         sender.send(self._error(exc), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _send(self, job: Job, response, final: bool = False) -> None:
-        """Send to one job; a failure (e.g. a cancelled request) never disturbs the other requests."""
-        if job.gone:
-            return
-        try:
-            job.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        except Exception as exc:  # noqa: BLE001
-            job.gone = True
-            self.log(f"ssd_trt: dropping a request whose response could not be sent ({exc})")
+        """Queue a response for the sender thread: the step loop goes on computing while it is delivered."""
+        if not job.gone:
+            self._outbox.put((job, response, final))
+
+    def _send_loop(self) -> None:
+        """Deliver queued responses in order; a failure (e.g. a cancelled request) never disturbs the others."""
+        while (item := self._outbox.get()) is not None:
+            job, response, final = item
+            if job.gone:
+                continue
+            try:
+                job.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            except Exception as exc:  # noqa: BLE001
+                job.gone = True
+                self.log(f"ssd_trt: dropping a request whose response could not be sent ({exc})")
 
     def _response(self, text: str, token_ids: list[int], stats: dict | None = None):
         tensors = [self.pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),

@@ -44,13 +44,16 @@ class Result:
 
 
 def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    seed: int | None = None, mode: str = "ssd", stream: bool = False) -> list[tuple[str, str, Any]]:
+                    seed: int | None = None, mode: str = "ssd", stream: bool = False,
+                    ignore_eos: bool = False) -> list[tuple[str, str, Any]]:
     """(name, Triton dtype, value) for one request, TensorRT-LLM backend names."""
     tensors = [("text_input", "BYTES", prompt), ("max_tokens", "INT32", max_tokens),
                ("temperature", "FP32", temperature), ("top_p", "FP32", top_p), ("top_k", "INT32", top_k),
                ("mode", "BYTES", mode), ("stream", "BOOL", stream)]
     if seed is not None:
         tensors.append(("random_seed", "UINT64", seed))
+    if ignore_eos:
+        tensors.append(("ignore_eos", "BOOL", True))
     return tensors
 
 

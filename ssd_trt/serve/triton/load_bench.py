@@ -4,7 +4,9 @@ Exports the build to a temporary model repository, starts tritonserver on 127.0.
 example client (``client.py bench``, run in the serving venv):
 
 * the sweep: for ar / sd / ssd and concurrency 1, 2, 4, 8, 16, closed-loop clients (each sends its requests
-  one after another) over the report prompt set: throughput, p50 / p99 latency and time to first token;
+  one after another) over the report prompt set, each request generating ``--max-tokens`` tokens (EOS
+  ignored, so that every mode and load does the same work): throughput, p50 / p99 latency and time to
+  first token;
 * the mixed workload: 8 requests -- greedy and sampled, ar and ssd, different lengths -- sent all at once,
   then the same 8 one at a time: aggregate throughput of each and their ratio.
 
@@ -32,7 +34,8 @@ def mixed_specs(prompts: list[str]) -> list[dict[str, Any]]:
     shapes = [("ar", 0.0, 16), ("ssd", 0.0, 48), ("ar", 0.8, 32), ("ssd", 0.7, 24),
               ("ssd", 0.0, 64), ("ar", 0.0, 40), ("ssd", 1.0, 16), ("ar", 0.7, 56)]
     return [{"prompt": prompts[i % len(prompts)], "max_tokens": n, "mode": mode, "temperature": t,
-             "top_p": 0.95 if t else 1.0, "seed": 100 + i if t else None} for i, (mode, t, n) in enumerate(shapes)]
+             "top_p": 0.95 if t else 1.0, "seed": 100 + i if t else None, "ignore_eos": True}
+            for i, (mode, t, n) in enumerate(shapes)]
 
 
 def run_client(server, *args: str) -> dict[str, Any]:
@@ -53,8 +56,8 @@ def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int
     sweep = []
     points = [(mode, c) for mode in MODES for c in CONCURRENCIES]
     for mode, concurrency in tqdm(points, desc="load bench", unit="point"):
-        specs = [{"prompt": p, "max_tokens": max_tokens, "mode": mode} for p in prompts]
-        repeat = max(1, requests_per_point // concurrency)
+        specs = [{"prompt": p, "max_tokens": max_tokens, "mode": mode, "ignore_eos": True} for p in prompts]
+        repeat = max(4, requests_per_point // concurrency)     # clients keep the engine full, then drain
         sweep.append(run_client(server, "--specs", json.dumps(specs), "--concurrency", str(concurrency),
                                 "--repeat", str(repeat)))
     specs = json.dumps(mixed_specs(prompts))
@@ -113,16 +116,19 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("build_dir", type=Path)
     parser.add_argument("--out", type=Path, default=Path("docs/bench/serving_load.json"))
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=16, help="requests per sweep point (at least one per client)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
+    parser.add_argument("--requests", type=int, default=32, help="requests per sweep point (at least 4 per client)")
+    parser.add_argument("--runtime-options", default="{}", help="RuntimeOptions of the served model, as JSON "
+                                                                "(`serve.triton export --runtime-options`)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts of the report set, cycled")
     args = parser.parse_args(argv)
     from ssd_trt.serve.triton.environment import ensure_env
-    from ssd_trt.serve.triton.repository import export_repository
+    from ssd_trt.serve.triton.repository import ExportOptions, export_repository
     from ssd_trt.serve.triton.server import ServerConfig, TritonServer, free_port
     prompts = [p.prompt for p in load_prompts(DEFAULT_PROMPTS)][::7][:args.prompts]
     with tempfile.TemporaryDirectory() as root:
-        repo = export_repository(args.build_dir, Path(root) / "repo")
+        repo = export_repository(args.build_dir, Path(root) / "repo",
+                                 ExportOptions(runtime_options=json.loads(args.runtime_options)))
         server = TritonServer(ServerConfig(repo, free_port(), free_port(), free_port(),
                                            log_file=Path(root) / "tritonserver.log"), ensure_env())
         try:

@@ -33,7 +33,9 @@ INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False),
           ("random_seed", "TYPE_UINT64", "[ 1 ]", True),
           ("stream", "TYPE_BOOL", "[ 1 ]", True),
           ("mode", "TYPE_STRING", "[ 1 ]", True),
-          ("chat", "TYPE_BOOL", "[ 1 ]", True))
+          ("chat", "TYPE_BOOL", "[ 1 ]", True),
+          ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True),
+          ("stop_words", "TYPE_STRING", "[ -1 ]", True))
 OUTPUTS = (("text_output", "TYPE_STRING", "[ -1 ]"),
            ("output_ids", "TYPE_INT32", "[ -1 ]"),
            ("generated_tokens", "TYPE_INT32", "[ 1 ]"),
@@ -46,8 +48,8 @@ OUTPUTS = (("text_output", "TYPE_STRING", "[ -1 ]"),
 class ExportOptions:
     model_name: str = STREAM_MODEL
     instances: int = 1                      # model instances (each loads its own engines)
-    max_batch_rows: int = 0                 # rows per generate call for greedy requests; 0 = engine max batch
-    runtime_options: dict = field(default_factory=dict)   # RuntimeOptions fields (threads, cores, ssd)
+    max_batch_rows: int = 0                 # requests decoded together (engine step); 0 = engine max batch
+    runtime_options: dict = field(default_factory=dict)   # RuntimeOptions fields (threads, cores, backend)
     verify_checksums: bool = True
     warmup: bool = True
     nonstream: bool = True                  # also write the <name>_nonstream twin
