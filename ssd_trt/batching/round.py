@@ -29,6 +29,7 @@ from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, verify_chain
 from ssd_trt.decoding.settings import SD, SSD
 from ssd_trt.decoding.saguaro import DraftWorker, Speculation as RowsSpeculation, validate_cache, validate_speculation
 from ssd_trt.decoding.speculative import draft_tokens
+from ssd_trt.engines.feeding import feed_rows
 from ssd_trt.ngram import ngram_proposal
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ def run_round(engine: "LLMEngine", plans: dict[int, RoundPlan], outputs: dict[st
     chain = propose(engine, rows, drafted, plan)
     groups = ssd_groups(drafted, plan)
     futures = [speculate(engine, rows, first, stop, plan[first].settings) for first, stop in groups]
+    futures += [catch_up(engine, rows, first, stop) for first, stop in paused_groups(drafted, plan)]
     proposals = [row_proposal(seq, plan[i], chain, i) for i, seq in enumerate(rows)]
     verify_started = time.perf_counter()
     outcomes = verify(engine, rows, proposals, outputs)
@@ -70,7 +72,7 @@ def run_round(engine: "LLMEngine", plans: dict[int, RoundPlan], outputs: dict[st
     for i in range(len(drafted)):            # SSD rows, speculating or paused: the draft will see the verified glue
         if plan[i].kind == "ssd" and outcomes[i] is not None:
             rows[i].draft_pending += [int(t) for t in outcomes[i][0]]
-    caches = [wait_for(engine, future) for future in futures]
+    caches = [wait_for(engine, future) for future in futures][:len(groups)]
     looked_up = time.perf_counter()
     if chain is not None:
         settle_chain(engine, rows, plan, chain, outcomes)
@@ -173,6 +175,31 @@ def ssd_groups(drafted: list[SequenceState], plan: list[RoundPlan]) -> list[tupl
         else:
             groups.append((i, i + 1))
     return groups
+
+
+def paused_groups(drafted: list[SequenceState], plan: list[RoundPlan]) -> list[tuple[int, int]]:
+    """Runs of SSD rows whose speculation the load policy paused this round."""
+    groups: list[tuple[int, int]] = []
+    for i in range(len(drafted)):
+        if plan[i].kind == "ssd" and plan[i].settings is None:
+            if groups and groups[-1][1] == i:
+                groups[-1] = (groups[-1][0], i + 1)
+            else:
+                groups.append((i, i + 1))
+    return groups
+
+
+def catch_up(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int):
+    """Paused SSD rows: the draft's otherwise idle core feeds them what they committed, while the target
+    verifies, so that resuming speculation costs no catch-up. None when there is nothing to feed."""
+    seqs = rows[first:stop]
+    if engine.draft_failure is not None or any(not s.draft_pending for s in seqs):
+        return None
+    pending = [list(s.draft_pending) for s in seqs]
+    for seq in seqs:
+        seq.draft_pending = []
+    view = engine.generator.engine("draft").rows(first, stop)
+    return engine.submit_draft(lambda: feed_rows(view, pending) is None)
 
 
 # -- 2. speculate -----------------------------------------------------------------------------------------

@@ -54,7 +54,9 @@ def run_client(server, *args: str) -> dict[str, Any]:
 def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int) -> dict[str, Any]:
     from tqdm import tqdm
     sweep = []
-    points = [(mode, c) for mode in MODES for c in CONCURRENCIES]
+    # modes interleaved at each concurrency: the machine's speed drifts over minutes, the modes are compared
+    # side by side
+    points = [(mode, c) for c in CONCURRENCIES for mode in MODES]
     for mode, concurrency in tqdm(points, desc="load bench", unit="point"):
         specs = [{"prompt": p, "max_tokens": max_tokens, "mode": mode, "ignore_eos": True} for p in prompts]
         repeat = max(4, requests_per_point // concurrency)     # clients keep the engine full, then drain
@@ -71,7 +73,7 @@ def table(result: dict[str, Any]) -> str:
     rows = ["| mode | concurrency | requests | throughput (tok/s) | vs AR at 1 | p50 latency (s) | p99 latency (s) "
             "| p50 TTFT (s) | p99 TTFT (s) | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     base = next(s["throughput_tok_s"] for s in result["sweep"] if s["mode"] == "ar" and s["concurrency"] == 1)
-    for s in result["sweep"]:
+    for s in sorted(result["sweep"], key=lambda s: (MODES.index(s["mode"]), s["concurrency"])):
         rows.append(f"| {s['mode']} | {s['concurrency']} | {s['requests']} | {s['throughput_tok_s']:.1f} | "
                     f"{s['throughput_tok_s'] / base:.2f}x | {s['latency_p50_s']:.2f} | {s['latency_p99_s']:.2f} | "
                     f"{s['ttft_p50_s']:.3f} | {s['ttft_p99_s']:.3f} | {len(s['errors'])} |")
