@@ -142,10 +142,10 @@ class Generator:
         except SsdTrtError:
             raise
         except Exception as exc:
-            if failures and exc is failures[-1]:
-                raise                      # the caller's own callback failed: its exception, unchanged
-            raise EngineError(f"{resolved.name} generation failed: {type(exc).__name__}: {exc}; nothing was returned "
-                              f"for this request, the engines are ready for the next one") from exc
+            failure = _engine_failure(exc, failures, resolved.name)
+            if failure is exc:
+                raise
+            raise failure from exc
         finally:
             engine.close()
             self.engines.free_slots()
@@ -184,10 +184,10 @@ class Generator:
         except SsdTrtError:
             raise
         except Exception as exc:
-            if failures and exc is failures[-1]:
-                raise                      # the caller's own callback failed: its exception, unchanged
-            raise EngineError(f"{resolved.name} generation failed: {type(exc).__name__}: {exc}; nothing was returned "
-                              f"for this request, the engines are ready for the next one") from exc
+            failure = _engine_failure(exc, failures, resolved.name)
+            if failure is exc:
+                raise
+            raise failure from exc
         finally:
             self.engines.free_slots()
             if stats.get("draft_failures"):   # the failed draft may still be running (a hang): never reuse it
@@ -215,6 +215,15 @@ def batch_stats(seqs, resolved: ResolvedMode, metrics, started: float) -> dict:
         stats["policy"] = metrics.last_choice
     return {"generated_tokens": total, "elapsed_s": elapsed, "tokens_per_s": total / elapsed if elapsed > 0 else None,
             "ttft_s": min(firsts) - started if firsts else None, **stats}
+
+
+def _engine_failure(exc: Exception, failures: list[BaseException], mode: str) -> BaseException:
+    """What a failed generation raises: the caller's own callback's exception, unchanged, or an EngineError
+    naming the cause."""
+    if failures and exc is failures[-1]:
+        return exc
+    return EngineError(f"{mode} generation failed: {type(exc).__name__}: {exc}; nothing was returned for this "
+                       f"request, the engines are ready for the next one")
 
 
 def _guarded(on_tokens: TokenCallback, failures: list[BaseException]) -> TokenCallback:
