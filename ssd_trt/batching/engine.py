@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ssd_trt.batching.policy import CostCurves, LoadPolicy, Yield
+from ssd_trt.batching.policy import Choice, CostCurves, LoadPolicy, Yield
 from ssd_trt.batching.round import RoundPlan, run_round
 from ssd_trt.batching.sequence import SequenceState
 from ssd_trt.decoding.fan_out import FanOutPlanner
@@ -291,7 +291,11 @@ class LLMEngine:
                 if settings not in choices:
                     self._calibrate([settings])
                     policy = self._policies.setdefault(settings, LoadPolicy())
-                    choices[settings] = (policy, policy.choose(settings, batch, self.costs, self.yield_of(settings)))
+                    try:
+                        choice = policy.choose(settings, batch, self.costs, self.yield_of(settings))
+                    except KeyError:            # no step timed yet (rows were live): as set, until calibrated
+                        choice = Choice("as set", settings, {})
+                    choices[settings] = (policy, choice)
                     self.metrics.last_choice = {"batch": batch, "chose": choices[settings][1].name,
                                                 **choices[settings][1].scores}
                 chosen = choices[settings][1].settings
@@ -376,8 +380,8 @@ class LLMEngine:
 
     # -- the draft's core ---------------------------------------------------------------------------
     def on_draft(self, job, *args):
-        """Run ``job`` on the draft's worker thread (pinned to the draft's cores); returns its Future's result
-        after waiting, or the Future with ``wait=False`` semantics via :meth:`submit_draft`."""
+        """Run ``job`` on the draft's worker thread (pinned to the draft's cores) and wait for its result, at most
+        the draft's timeout (:meth:`submit_draft` returns the Future instead)."""
         return self.submit_draft(job, *args).result(timeout=self.draft_timeout_s)
 
     def submit_draft(self, job, *args):
