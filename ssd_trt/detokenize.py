@@ -11,19 +11,23 @@ class Detokenizer:
     the longer prefix does not extend what was already sent.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], hold: int = 0) -> None:
+        """``hold``: characters kept back at the end until :meth:`finish` (a request with stop strings holds the
+        longest one's length - 1, so a stop string's beginning is never streamed before the text is cut)."""
         self._decode = decode
+        self.hold = hold
         self.tokens: list[int] = []
         self.sent = ""
 
     @classmethod
-    def of(cls, tokenizer) -> "Detokenizer":
+    def of(cls, tokenizer, hold: int = 0) -> "Detokenizer":
         """For a tokenizer with ``decode(ids, skip_special_tokens=...)``: special tokens are not text."""
-        return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), hold)
 
     def push(self, token_ids: list[int]) -> str:
         self.tokens += token_ids
-        return self._advance(self._decode(self.tokens), final=False)
+        text = self._decode(self.tokens)
+        return self._advance(text[:max(0, len(text) - self.hold)], final=False)
 
     def finish(self, final_text: str) -> str:
         return self._advance(final_text, final=True)

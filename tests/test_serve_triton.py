@@ -225,3 +225,24 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, refe
     [r] = client(server, "raw", json.dumps(good), "--protocol", protocol)
     assert r["error"] is None and r["token_ids"] == references[("ar", EXACT_PROMPTS[0])][1]
     assert server.ready()
+
+
+def test_a_streamed_request_never_shows_the_beginning_of_its_stop_string():
+    pieces = {1: "ab", 2: "c<", 3: "/e", 4: "nd>", 5: "x"}
+    decode = lambda ids: "".join(pieces[i] for i in ids)          # noqa: E731
+    detok = Detokenizer(decode, hold=len("</end>") - 1)
+    streamed = "".join(detok.push([i]) for i in (1, 2, 3))        # token 4 completes it: the request ends
+    assert "<" not in streamed and streamed == "abc"[:len(streamed)]
+    assert streamed + detok.finish("abc") == "abc"                # the final text, cut before the stop string
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_stop_words_cut_the_text_over_triton(server, references, protocol):
+    text, ids = references[("ar", EXACT_PROMPTS[1])]
+    stop = text[len(text) // 2:][:3]                               # three characters from the middle
+    tensors = [["text_input", "BYTES", EXACT_PROMPTS[1]], ["max_tokens", "INT32", MAX_TOKENS], ["mode", "BYTES", "ar"],
+               ["stop_words", "BYTES", stop], ["stream", "BOOL", protocol == "grpc"]]
+    [r] = client(server, "raw", json.dumps(tensors), "--protocol", protocol)
+    assert r["error"] is None and r["text"] == text[:text.index(stop)], (stop, r["text"])
+    assert r["token_ids"] == ids[:len(r["token_ids"])] and len(r["token_ids"]) < len(ids)

@@ -235,7 +235,8 @@ class ModelServer:
             try:
                 job = parse_request(request, self.pb, self.generator, self.streaming_model)
                 if job.stream:
-                    job.detokenizer = Detokenizer.of(self.generator.tokenizer)
+                    hold = max((len(text) for text in job.params.stop), default=1) - 1
+                    job.detokenizer = Detokenizer.of(self.generator.tokenizer, hold)
                 with self._lock:
                     self._ids += 1
                     request_id = str(self._ids)
@@ -288,10 +289,8 @@ class ModelServer:
             return
         text = seq.text(lambda t: self.generator.tokenizer.decode(t, skip_special_tokens=True))
         stats = request_stats(seq.stats.summary(), len(seq.tokens))
-        if job.stream:
-            tail = output.new_tokens
-            piece = job.detokenizer.push(tail) if tail else ""
-            self._send(job, self._response(piece + job.detokenizer.finish(text), tail, stats), final=True)
+        if job.stream:       # the last tokens' text, up to the end of the final (possibly cut) text
+            self._send(job, self._response(job.detokenizer.finish(text), output.new_tokens, stats), final=True)
         else:
             self._send(job, self._response(text, seq.tokens, stats), final=True)
 
