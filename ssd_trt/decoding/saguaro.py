@@ -22,7 +22,10 @@ them; the commit after the verification hands the draft the target's features of
 next glue decode re-feeds those tokens carrying them.
 
 The file reads in that order: settings, the draft side (DraftWorker: steps 1-4 and the just-in-time
-backup), then the target side (:func:`saguaro_rounds`: verify, look up, learn, back up).
+backup), then the target side (:func:`saguaro_rounds`: verify, look up, learn, back up). That loop runs one
+batch from start to end (feature drafts); the engine step runs the same DraftWorker per group of SSD requests
+that join and leave, with the target side of a round in ``batching/round.py`` (``speculate``, ``verify``,
+``settle_ssd``, ``back_up``).
 
 Sampling is lossless because the target verifies with the exact distribution each drafted token was
 drawn from (``sampling.verify_chain``). With Saguaro sampling (C < 1) that distribution is
