@@ -62,9 +62,9 @@ def run_round(engine: "LLMEngine", plans: dict[int, RoundPlan], outputs: dict[st
     rows, drafted = engine.target_rows, engine.draft_rows
     plan = [plans[id(seq)] for seq in rows]
     chain = propose(engine, rows, drafted, plan)
-    groups = ssd_groups(drafted, plan)
+    groups = row_runs(drafted, plan, speculating=True)
     futures = [speculate(engine, rows, first, stop, plan[first].settings) for first, stop in groups]
-    futures += [catch_up(engine, rows, first, stop) for first, stop in paused_groups(drafted, plan)]
+    futures += [catch_up(engine, rows, first, stop) for first, stop in row_runs(drafted, plan, speculating=False)]
     proposals = [row_proposal(seq, plan[i], chain, i) for i, seq in enumerate(rows)]
     verify_started = time.perf_counter()
     outcomes = verify(engine, rows, proposals, outputs)
@@ -164,29 +164,18 @@ def draft_chain(engine: "LLMEngine", first: int, seqs: list[SequenceState], plan
     return ChainDraft(first, start, fed, most, tokens, dists)
 
 
-def ssd_groups(drafted: list[SequenceState], plan: list[RoundPlan]) -> list[tuple[int, int]]:
-    """Runs of speculating SSD rows with the same settings (the layout puts each family together, first)."""
-    groups: list[tuple[int, int]] = []
+def row_runs(drafted: list[SequenceState], plan: list[RoundPlan], speculating: bool) -> list[tuple[int, int]]:
+    """Runs of adjacent SSD draft rows that speculate (``speculating``: with the same settings) or whose
+    speculation the load policy paused (the layout puts each family together, first)."""
+    runs: list[tuple[int, int]] = []
     for i in range(len(drafted)):
-        if plan[i].kind != "ssd" or plan[i].settings is None:
+        if plan[i].kind != "ssd" or (plan[i].settings is not None) != speculating:
             continue
-        if groups and groups[-1][1] == i and plan[groups[-1][0]].settings == plan[i].settings:
-            groups[-1] = (groups[-1][0], i + 1)
+        if runs and runs[-1][1] == i and plan[runs[-1][0]].settings == plan[i].settings:
+            runs[-1] = (runs[-1][0], i + 1)
         else:
-            groups.append((i, i + 1))
-    return groups
-
-
-def paused_groups(drafted: list[SequenceState], plan: list[RoundPlan]) -> list[tuple[int, int]]:
-    """Runs of SSD rows whose speculation the load policy paused this round."""
-    groups: list[tuple[int, int]] = []
-    for i in range(len(drafted)):
-        if plan[i].kind == "ssd" and plan[i].settings is None:
-            if groups and groups[-1][1] == i:
-                groups[-1] = (groups[-1][0], i + 1)
-            else:
-                groups.append((i, i + 1))
-    return groups
+            runs.append((i, i + 1))
+    return runs
 
 
 def catch_up(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int):
