@@ -164,32 +164,49 @@ def test_gguf_weights_need_a_gguf_source_and_int8_needs_int8_activations(tmp_pat
 
 
 def test_int8_activations_are_row_exact_and_every_mode_equals_ar(block_builds):
-    """ONNX Runtime's int8-activation kernel for a one-row step differs from its multi-row kernel; the
-    engine feeds one-token steps as two rows, so a token's logits are bit-identical whether it was decoded
-    alone, verified in a chain of 3, or in a step of 9 -- and greedy SD / SSD equal AR token for token."""
+    """ONNX Runtime attends a one-token step on another kernel than a step of two or more tokens; the fused
+    graph attends a one-token step as two queries, so a token's logits are bit-identical whether it was decoded
+    alone, verified in a chain of 3, or in a step of 9, in a batch of one row or of three -- with no padding
+    by the engine -- and greedy SD / SSD equal AR token for token. Without the copy they are not."""
+    import onnx
+    from ssd_trt.engines.base import GRAPH_META_ONE_TOKEN_TWICE
     from ssd_trt.engines.factory import EngineSet
+    from ssd_trt.engines.ort import OrtEngine
     from ssd_trt.manifest import read_manifest
     from ssd_trt.options import RuntimeOptions
     build = block_builds["int8-act"]
     engine = EngineSet(build, read_manifest(build), {"target": RuntimeOptions().placement("target")}).get("target")
-    assert engine.pad_single_rows
-    tokens = np.array([11, 42, 7, 19, 3, 25, 8, 30, 14])
+    assert not engine.pad_single_rows          # the graph attends one-token steps twice itself
+    tokens = np.array([[11, 42, 7, 19, 3, 25, 8, 30, 14], [9, 2, 33, 5, 17, 28, 6, 1, 40], [4, 4, 12, 21, 36, 15, 2, 8, 27]])
 
-    def run(chunks: list[int]) -> np.ndarray:
-        engine.reset(1)
-        engine.forward(np.array([[5, 6, 7, 8]]), np.arange(4)[None])
+    def run(model: OrtEngine, chunks: list[int], rows: int = 1) -> np.ndarray:
+        model.reset(rows)
+        model.forward(np.tile([5, 6, 7, 8], (rows, 1)), np.tile(np.arange(4), (rows, 1)))
         out, start = [], 0
         for size in chunks:
-            ids = tokens[start:start + size][None]
-            out.append(engine.forward(ids, engine.lengths[:, None] + np.arange(size))[0])
+            out.append(model.forward(tokens[:rows, start:start + size], model.lengths[:, None] + np.arange(size)))
             start += size
-        return np.concatenate(out)
-    one_by_one = run([1] * 9)
-    assert np.array_equal(one_by_one, run([3, 3, 3])) and np.array_equal(one_by_one, run([9]))
-    assert np.array_equal(one_by_one, run([2, 1, 4, 1, 1]))
-    assert int(engine.lengths[0]) == 4 + 9          # the padding row left nothing behind
-    engine.pad_single_rows = False                  # what the padding is for: the one-row kernel disagrees
-    assert not np.array_equal(one_by_one, run([1] * 9))
+        return np.concatenate(out, axis=1)
+    for rows in (1, 3):
+        one_by_one = run(engine, [1] * 9, rows)
+        assert np.array_equal(one_by_one, run(engine, [3, 3, 3], rows))
+        assert np.array_equal(one_by_one, run(engine, [9], rows))
+        assert np.array_equal(one_by_one, run(engine, [2, 1, 4, 1, 1], rows))
+        assert (engine.lengths == 4 + 9).all()   # the copy's slot is scratch, past each row's end
+    # what the copy is for: the same graph with the copy never made (its T = 1 test never true) disagrees
+    graph = onnx.load(str(build / "target" / "model.ort.onnx"), load_external_data=False)
+    for tensor in graph.graph.initializer:
+        if tensor.name == "fused.one64":
+            tensor.CopyFrom(onnx.numpy_helper.from_array(np.array([-1], np.int64), tensor.name))
+    assert GRAPH_META_ONE_TOKEN_TWICE in {prop.key for prop in graph.metadata_props}
+    uncopied = build / "target" / "model.uncopied.onnx"
+    onnx.save_model(graph, str(uncopied))
+    try:
+        plain = OrtEngine(uncopied, engine.spec, int8_activations=True)
+        assert np.array_equal(run(plain, [9]), run(engine, [9]))
+        assert not np.array_equal(run(plain, [1] * 9), run(engine, [9]))
+    finally:
+        uncopied.unlink()
     gen = ssd_trt.load(build)
     for params in (ssd_trt.SamplingParams(max_new_tokens=24, stop_on_eos=False),):
         for prompt in ("w5 w6 w7", "w9 w1", "w3"):

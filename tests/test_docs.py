@@ -48,6 +48,18 @@ def test_the_serving_table_is_the_rendering_of_the_load_bench_artifact():
     assert not missing, f"docs/serving.md lacks lines of the load bench's table: {missing[:2]}"
 
 
+def test_the_load_bench_pools_its_passes_by_tokens_over_wall_time():
+    from ssd_trt.serve.triton.load_bench import pooled
+    passes = [{"concurrency": 4, "mode": "ssd", "max_tokens": 64, "requests": 32, "wall_s": 10.0, "generated_tokens": 2048,
+               "errors": [], "latency_p50_s": 1.0, "latency_p99_s": 1.5, "ttft_p50_s": 0.1, "ttft_p99_s": 0.3},
+              {"concurrency": 4, "mode": "ssd", "max_tokens": 64, "requests": 32, "wall_s": 6.0, "generated_tokens": 2048,
+               "errors": ["boom"], "latency_p50_s": 0.6, "latency_p99_s": 0.9, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2}]
+    point = pooled(passes)
+    assert point["throughput_tok_s"] == 4096 / 16.0 and point["requests"] == 64 and point["errors"] == ["boom"]
+    assert point["latency_p50_s"] == 0.8 and point["latency_p99_s"] == 1.5 and point["ttft_p99_s"] == 0.3
+    assert point["passes"] == passes and point["mode"] == "ssd" and point["concurrency"] == 4
+
+
 def test_every_relative_link_in_the_pages_leads_to_a_file():
     broken = []
     for page in PAGES:

@@ -88,7 +88,8 @@ def test_fused_layers_are_small_and_use_the_fused_ops(tmp_path):
     per_layer = Counter(re.match(r"layers\.(\d+)\.", node.output[0]).group(1) for node in graph.graph.node
                         if node.output[0].startswith("layers."))
     assert len(per_layer) == model.config.num_layers and max(per_layer.values()) <= 40, per_layer
-    assert min(per_layer.values()) == 31, per_layer   # Q4_1 offsets included: 4 block MatMuls x (DQ, MatMul, 4 side)
+    # Q4_1 offsets included: 4 block MatMuls x (DQ, MatMul, 4 side), and 3 nodes attending a one-token step twice
+    assert min(per_layer.values()) == 34, per_layer
     ops = Counter(node.op_type for node in graph.graph.node)
     layers = model.config.num_layers
     assert ops["GroupQueryAttention"] == layers and ops["SkipSimplifiedLayerNormalization"] == 2 * layers

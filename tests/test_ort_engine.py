@@ -62,6 +62,22 @@ def test_capacity_grows_without_changing_results(tiny_pairs):
     assert np.abs(np.concatenate(chunks, 1) - logits).max() < 1e-4
 
 
+def test_one_token_steps_cross_the_capacity_and_fill_the_context(tiny_pairs):
+    """A graph attending a one-token step twice writes one slot past the step: one-token steps from below the
+    first 128-slot capacity up to the last position of the context still compute the prefill's logits."""
+    e = engine(tiny_pairs["self"])
+    assert e.attends_twice
+    limit = e.spec.max_context
+    ids = np.random.default_rng(2).integers(3, 256, (1, limit))
+    e.reset(1)
+    full = e.forward(ids, np.arange(limit)[None])
+    e.reset(1)
+    e.forward(ids[:, :120], np.arange(120)[None])
+    steps = [e.forward(ids[:, i:i + 1], np.array([[i]])) for i in range(120, limit)]
+    assert int(e.lengths[0]) == limit
+    assert np.abs(np.concatenate(steps, 1) - full[:, 120:]).max() < 1e-4
+
+
 def test_context_overflow_is_a_clear_error(tiny_pairs):
     import pytest
     from ssd_trt.errors import RequestError

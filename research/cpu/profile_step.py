@@ -4,7 +4,7 @@
     python research/cpu/profile_step.py build/smollm2-135m --ssd      # py-spy: SSD's target and draft threads
 
 The first runs 30 decode steps (one core) through a profiling ONNX Runtime session over the build's target
-graph and prints the kernel time per op type (profiling inflates a step; read the shares). The second
+graph (``--rows`` rows of one token each) and prints the kernel time per op type (profiling inflates a step; read the shares). The second
 records greedy SSD (paper-style placement, 6 prompts x 128 tokens) with py-spy and prints, per thread,
 the share of samples inside ONNX Runtime and the ssd_trt functions the rest is spent in.
 """
@@ -35,7 +35,7 @@ for p in load_prompts()[:6]:
 """
 
 
-def decode_step_profile(build: Path, steps: int = 30) -> None:
+def decode_step_profile(build: Path, steps: int = 30, rows: int = 1) -> None:
     import onnxruntime as ort
     from ssd_trt.engines.affinity import pinned
     from ssd_trt.engines.factory import EngineSet
@@ -48,24 +48,26 @@ def decode_step_profile(build: Path, steps: int = 30) -> None:
     profiled.enable_profiling = True
     profiled.log_severity_level = 3
     profiled.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "step")
-    profiled.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4" if engine.pad_single_rows else "1")
+    profiled.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4" if engine.int8_activations else "1")
     engine.session = ort.InferenceSession(str(build / "target" / "model.ort.onnx"), profiled,
                                           providers=["CPUExecutionProvider"])
     with pinned((0,)):
-        engine.reset(1)
-        engine.forward(np.arange(40)[None] + 5, np.arange(40)[None], logit_indices=np.array([[39]]))
+        engine.reset(rows)
+        engine.forward(np.tile(np.arange(40) + 5, (rows, 1)), np.tile(np.arange(40), (rows, 1)),
+                       logit_indices=np.full((rows, 1), 39))
         for _ in range(steps):
-            engine.forward(np.array([[7]]), engine.lengths[:, None])
+            engine.forward(np.full((rows, 1), 7), engine.lengths[:, None])
     events = json.loads(Path(engine.session.end_profiling()).read_text())
     runs = [e for e in events if e.get("name") == "model_run"][-steps:]
+    decoding_from = runs[0]["ts"]                 # the prefill before is not counted
     kernel, nodes = collections.Counter(), collections.Counter()
     for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= decoding_from:
             kernel[e["args"]["op_name"]] += e["dur"]
             nodes[e["args"]["op_name"]] += 1
-    count = len([e for e in events if e.get("name") == "model_run"])
+    count = len(runs)
     total = sum(kernel.values()) / count / 1e3
-    print(f"{build}: {count} profiled steps (prefill included); model_run median {np.median([r['dur'] for r in runs]) / 1e3:.2f} ms "
+    print(f"{build}, {rows} row(s): {count} profiled decode steps; model_run median {np.median([r['dur'] for r in runs]) / 1e3:.2f} ms "
           f"(profiling on); kernel time {total:.2f} ms/step over {sum(nodes.values()) / count:.0f} nodes/step")
     for op, us in kernel.most_common(10):
         print(f"  {op:22s} {us / count / 1e3:6.2f} ms/step ({100 * us / count / 1e3 / total:4.1f}%)  {nodes[op] / count:5.0f} nodes")
@@ -97,10 +99,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("build", type=Path)
     parser.add_argument("--ssd", action="store_true", help="py-spy SSD's threads instead of one decode step")
+    parser.add_argument("--rows", type=int, default=1, help="rows of the profiled decode step (one token each)")
     args = parser.parse_args()
     print(f"# {time.strftime('%Y-%m-%d')} python research/cpu/profile_step.py {args.build}"
           f"{' --ssd' if args.ssd else ''}")
-    ssd_thread_profile(args.build) if args.ssd else decode_step_profile(args.build)
+    ssd_thread_profile(args.build) if args.ssd else decode_step_profile(args.build, rows=args.rows)
     return 0
 
 

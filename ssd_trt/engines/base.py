@@ -29,6 +29,9 @@ GRAPH_OUTPUT_FEATURES = "features"    # optional, last: a target's hidden states
 # before the caches), and returns its output hidden [B,T,H] last: engines/feature_draft.py feeds them
 EAGLE3_INPUTS = ("features", "draft_hidden", "from_target")
 EAGLE3_OUTPUT_HIDDEN = "hidden"
+# model metadata of a step graph that attends a one-token step as two queries (export/fused_graph.py): it
+# writes one KV slot past the step, and its one-token steps are row-exact without the engine's padding
+GRAPH_META_ONE_TOKEN_TWICE = "one_token_steps_attended_twice"
 
 
 def past_names(layer: int) -> tuple[str, str]:

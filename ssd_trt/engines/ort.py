@@ -15,8 +15,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
-from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, \
-    EngineSpec, FeatureIO, all_indices, check_room, checked_rollback, past_names, present_names
+from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_META_ONE_TOKEN_TWICE, \
+    GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineSpec, FeatureIO, all_indices, check_room, checked_rollback, past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
 from ssd_trt.engines.rows import check_order
 
@@ -29,34 +29,26 @@ class OrtEngine(FeatureIO):
         ``int8_activations``: block-quantized weights' fused MatMuls (MatMulNBits) quantize activations to
         int8 (accuracy level 4) instead of keeping them fp32 (level 1); no effect on a float graph.
 
-        Row-exact steps (with ``int8_activations``): ONNX Runtime runs a one-row step through another int8
-        kernel than a step of two or more rows, and the two disagree (logits by up to 0.53),
-        while steps of 2, 3, 4 or 9 rows give each row bit-identical logits. So a one-token step is fed
-        with a second, discarded row (needed at every batch size: a 16-row step of one token each did not
-        give the 2-token step's logits, tests/test_engine_step.py): every step takes the multi-row kernel, and a verification of K+1
-        tokens computes exactly what K+1 decode steps compute (SD/SSD token-identical to AR). The extra
-        row costs ~10% of a decode step (18.8 -> 20.8 ms, SmolLM2-135M, one core; both numbers from
-        research/cpu/measure_row_exact.py); the KV cache keeps one scratch slot beyond max_context for it."""
+        Row-exact steps: ONNX Runtime computes a one-token step's attention on another kernel than a step of
+        two or more tokens, and the two disagree (logits by up to 0.53 with int8 activations). The fused graph
+        attends a one-token step as two queries itself (``export/fused_graph.py``, marked in its metadata) and
+        writes one KV slot past the step. A graph without that mark (the traced form) with int8 activations is
+        fed each one-token step with a second, discarded token here instead: the same effect, but the
+        projections then compute two tokens per row (a 16-row decode step: 58 ms against 38 ms in-graph, one
+        core; research/cpu/measure_row_exact.py). Either way a token's logits do not depend on the step that
+        computed them (SD / SSD token-identical to AR), and the KV cache keeps one scratch slot beyond
+        max_context."""
         import onnxruntime as ort
         self.spec = spec
-        self.pad_single_rows = int8_activations
-        self._cache_spec = replace(spec, max_context=spec.max_context + 1) if int8_activations else spec
-        self.cores = tuple(cores) if cores else None
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4" if int8_activations else "1")
-        if self.cores and threads > 1:
-            # threads 2..n of the intra-op pool; thread 1 is the caller, pinned by the runtime (affinity.pinned).
-            options.add_session_config_entry("session.intra_op_thread_affinities",
-                                             ";".join(str(self.cores[i % len(self.cores)] + 1)
-                                                      for i in range(1, threads)))
+        self.int8_activations = int8_activations
         self._ort = ort
+        self.cores = tuple(cores) if cores else None
+        options = _session_options(ort, threads, self.cores, spin, int8_activations)
         self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        self.attends_twice = GRAPH_META_ONE_TOKEN_TWICE in self.session.get_modelmeta().custom_metadata_map
+        self.pad_single_rows = int8_activations and not self.attends_twice
+        scratch_slot = self.attends_twice or self.pad_single_rows
+        self._cache_spec = replace(spec, max_context=spec.max_context + 1) if scratch_slot else spec
         # a target exported for a feature draft also returns its hidden states: kept per step, for the draft
         outputs = {output.name for output in self.session.get_outputs()}
         self.has_features = GRAPH_OUTPUT_FEATURES in outputs
@@ -162,7 +154,8 @@ class OrtEngine(FeatureIO):
               extra: Mapping[str, np.ndarray] | None) -> np.ndarray:
         cache = self.cache
         batch, num_new = input_ids.shape
-        if cache.reserve(num_new):
+        # a graph attending a one-token step twice writes the copy's key one slot past the step
+        if cache.reserve(num_new + int(self.attends_twice and num_new == 1)):
             self._bindings = {}
         packed = causal_tree_mask(batch, num_new) if tree_mask is None else pack_tree_mask(tree_mask)
         indices = np.ascontiguousarray(all_indices(batch, num_new) if logit_indices is None else logit_indices,
@@ -222,3 +215,20 @@ class OrtRows(FeatureIO):
         if not 0 <= row < self.stop - self.start:
             raise ValueError(f"row must be in [0, {self.stop - self.start}), got {row}")
         self.parent.cache.keep(self.start + row, start, offsets)
+
+
+def _session_options(ort, threads: int, cores: tuple[int, ...] | None, spin: bool, int8_activations: bool):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4" if int8_activations else "1")
+    if cores and threads > 1:
+        # threads 2..n of the intra-op pool; thread 1 is the caller, pinned by the runtime (affinity.pinned).
+        options.add_session_config_entry("session.intra_op_thread_affinities",
+                                         ";".join(str(cores[i % len(cores)] + 1)
+                                                  for i in range(1, threads)))
+    return options

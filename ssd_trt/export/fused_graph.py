@@ -32,7 +32,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from plugins.tree_attention.onnx_function import mask_nodes
-from ssd_trt.engines.base import GRAPH_OUTPUT_LOGITS, past_names, present_names
+from ssd_trt.engines.base import GRAPH_META_ONE_TOKEN_TWICE, GRAPH_OUTPUT_LOGITS, past_names, present_names
 from ssd_trt.export.block_weights import block_matmul
 from ssd_trt.export.onnx_export import CACHE_AXES, STEP_DYNAMIC_AXES
 from ssd_trt.models.config import DecoderConfig
@@ -199,26 +199,51 @@ def _rotary_cache(inv_freq: torch.Tensor, max_positions: int) -> tuple[np.ndarra
 
 
 def _attention_preamble(graph: _Graph) -> dict[str, str]:
-    """Per-step tensors every layer's GroupQueryAttention reads: seqlens_k [B] (= L_b + T - 1), the total
-    length (max_b L_b + T, scalar), the additive bias [B, 1, T, total] (0 where visible, -inf elsewhere) and
-    query_seqlens [B] (= T)."""
+    """Per-step tensors every layer's GroupQueryAttention reads: seqlens_k [B] (= L_b + T' - 1), the total
+    length (max_b L_b + T', scalar), the additive bias [B, 1, T', total] (0 where visible, -inf elsewhere),
+    query_seqlens [B] (= T') and the position ids [B, T'].
+
+    T' is the step's T, or 2 when T = 1 (:func:`_one_token_twice`): ONNX Runtime's attention multiplies
+    a one-query step's probabilities by V on another kernel (a matrix-vector product) than a step of two or
+    more queries, and the two sum in different orders (a token's logits moved by up to 0.5 between being
+    decoded alone and being verified in a chain; docs/weights.md "Row-exact steps"). Attending a one-token
+    step as two queries (the token twice: the copy's key sits one slot past the row's end, invisible to the
+    real query, and its output is dropped) keeps every step on the one kernel, so decoding, verifying and
+    drafting give a token bit-identical logits while the projections still see one token per row."""
     g = graph
     g.constant("fused.ax0", np.array([0], np.int64))
+    g.constant("fused.ax1", np.array([1], np.int64))
     t = g.node("Shape", ["input_ids"], "fused.T", start=1, end=2)                      # [1] int64
-    t32 = g.node("Cast", [t], "fused.T32", to=TensorProto.INT32)
-    ends = g.node("Add", ["cache_lengths", t32], "fused.ends")                         # L_b + T
+    one = g.constant("fused.one64", np.array([1], np.int64))
+    extra = g.node("Cast", [g.node("Equal", [t, one], "fused.one_token")], "fused.extra_query",
+                   to=TensorProto.INT64)                                               # [1]: 1 when T = 1, else 0
+    t_attended = g.node("Add", [t, extra], "fused.T_attended")
+    t32 = g.node("Cast", [t_attended], "fused.T32", to=TensorProto.INT32)
+    ends = g.node("Add", ["cache_lengths", t32], "fused.ends")                         # L_b + T'
     seqlens = g.node("Sub", [ends, g.constant("fused.one32", np.array([1], np.int32))], "fused.seqlens_k")
-    # every row adds T tokens (a batched step with a past needs the per-row count)
+    # every row adds T' tokens (a batched step with a past needs the per-row count)
     query_seqlens = g.node("Expand", [t32, g.node("Shape", ["cache_lengths"], "fused.B")], "fused.query_seqlens")
     total = g.node("ReduceMax", [ends], "fused.total", keepdims=0)                      # scalar int32
     total1 = g.node("Cast", [g.node("Unsqueeze", [total, "fused.ax0"], "fused.total1")], "fused.total64",
                     to=TensorProto.INT64)
+    # the mask of the real T queries: slots from L_b + T on (the copy's key) are invisible to them
     g.nodes += mask_nodes("fused.mask_", "cache_lengths", "tree_mask", "", "fused.allowed5", width=total1)
     allowed = g.node("Squeeze", ["fused.allowed5", g.constant("fused.ax2", np.array([2], np.int64))],
                      "fused.allowed")                                                  # [B, 1, T, total]
     bias = g.node("Where", [allowed, g.constant("fused.zero_f", np.array(0, np.float32)),
                             g.constant("fused.neg_inf", np.array(-np.inf, np.float32))], "fused.attention_bias")
-    return {"seqlens_k": seqlens, "total": total, "bias": bias, "query_seqlens": query_seqlens}
+    # the copy's query row sees every slot (bias 0): its output is dropped, it only must not be all -inf
+    zero = g.constant("fused.zero64", np.array([0], np.int64))
+    bias_pads = g.node("Concat", [zero] * 6 + [extra, zero], "fused.bias_pads", axis=0)
+    bias = g.node("Pad", [bias, bias_pads, "fused.zero_f"], "fused.attention_bias_attended")
+    return {"seqlens_k": seqlens, "total": total, "bias": bias, "query_seqlens": query_seqlens,
+            "position_ids": _one_token_twice(g, "position_ids", extra), "extra": extra, "T": t}
+
+
+def _one_token_twice(graph: _Graph, tensor: str, extra: str) -> str:
+    """[B, T, ...] with its first token appended once more when ``extra`` is 1 (a one-token step), else as it is."""
+    copy = graph.node("Slice", [tensor, "fused.ax0", extra, "fused.ax1"], f"{tensor}.copied")
+    return graph.node("Concat", [tensor, copy], f"{tensor}.attended", axis=1)
 
 
 def fused_step_graph(model: Decoder, blocks: dict[str, BlockWeight] | None, max_positions: int) -> onnx.ModelProto:
@@ -255,14 +280,17 @@ def write_fused_graph(weights: StepWeights, max_positions: int, sink: "ExternalW
                               [f"{p}.self_attn.{n}_proj" for n in "qkv"], blocks)
             if attn.q_norm is not None:     # Qwen3 (GroupQueryAttention's own q/k norm is not on CPU)
                 qkv = _qk_norm(g, f"{p}.self_attn", qkv, attn, c)
-            query = qkv if len(qkv) == 3 else [qkv[0], "", ""]
+            query = [_one_token_twice(g, part, attention["extra"]) for part in qkv]
+            query = query if len(query) == 3 else [query[0], "", ""]
             past_key, past_value = past_names(i)
             g.node("GroupQueryAttention",
                    [*query, past_key, past_value, attention["seqlens_k"], attention["total"], "fused.cos_cache",
-                    "fused.sin_cache", "position_ids", attention["bias"], "", "", "", "", "",
+                    "fused.sin_cache", attention["position_ids"], attention["bias"], "", "", "", "", "",
                     attention["query_seqlens"]],
-                   [f"{p}.self_attn.out", *present_names(i)], domain=MS_DOMAIN, num_heads=c.num_heads,
+                   [f"{p}.self_attn.attended", *present_names(i)], domain=MS_DOMAIN, num_heads=c.num_heads,
                    kv_num_heads=c.num_kv_heads, do_rotary=1, rotary_interleaved=0, scale=attn.scale)
+            g.node("Slice", [f"{p}.self_attn.attended", "fused.ax0", attention["T"], "fused.ax1"],
+                   f"{p}.self_attn.out")                                 # the real T queries' outputs
             pending = _projection(g, f"{p}.self_attn.out", f"{p}.self_attn.o_proj", [attn.o_proj],
                                   [f"{p}.self_attn.o_proj"], blocks)[0]
             normed, residual = _norm(g, f"{p}.post_attention_layernorm", layer.post_attention_layernorm,
@@ -366,4 +394,5 @@ def _model(graph: _Graph, c: DecoderConfig) -> onnx.ModelProto:
                                                           helper.make_opsetid(MS_DOMAIN, 1)],
                               producer_name="ssd_trt.export.fused_graph")
     proto.ir_version = 10
+    helper.set_model_props(proto, {GRAPH_META_ONE_TOKEN_TWICE: "1"})
     return proto

@@ -10,6 +10,9 @@ example client (``client.py bench``, run in the serving venv):
 * the mixed workload: 8 requests -- greedy and sampled, ar and ssd, different lengths -- sent all at once,
   then the same 8 one at a time: aggregate throughput of each and their ratio.
 
+The whole sweep and the mixed workload run ``--passes`` times (default 2); each point pools its passes
+(throughput: all tokens over all wall time).
+
 Writes a JSON artifact (``--out``), a PNG beside it, and prints the markdown table of docs/serving.md.
 """
 from __future__ import annotations
@@ -51,22 +54,45 @@ def run_client(server, *args: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int) -> dict[str, Any]:
+def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int, passes: int) -> dict[str, Any]:
     from tqdm import tqdm
-    sweep = []
-    # modes interleaved at each concurrency: the machine's speed drifts over minutes, the modes are compared
-    # side by side
+    # modes interleaved at each concurrency, and the whole sweep run ``passes`` times: the machine's speed drifts
+    # over minutes, so the modes are compared side by side and every point sees the drift of the whole run
     points = [(mode, c) for c in CONCURRENCIES for mode in MODES]
-    for mode, concurrency in tqdm(points, desc="load bench", unit="point"):
-        specs = [{"prompt": p, "max_tokens": max_tokens, "mode": mode, "ignore_eos": True} for p in prompts]
-        repeat = max(4, requests_per_point // concurrency)     # clients keep the engine full, then drain
-        sweep.append(run_client(server, "--specs", json.dumps(specs), "--concurrency", str(concurrency),
-                                "--repeat", str(repeat)))
-    specs = json.dumps(mixed_specs(prompts))
-    together = run_client(server, "--specs", specs, "--concurrency", "8")
-    alone = run_client(server, "--specs", specs, "--concurrency", "1", "--repeat", "8")
-    return {"sweep": sweep, "mixed": {"concurrent": together, "one_at_a_time": alone,
-                                      "throughput_ratio": together["throughput_tok_s"] / alone["throughput_tok_s"]}}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {point: [] for point in points}
+    mixed: dict[str, list[dict[str, Any]]] = {"concurrent": [], "one_at_a_time": []}
+    specs_mixed = json.dumps(mixed_specs(prompts))
+    with tqdm(total=passes * (len(points) + 2), desc="load bench", unit="point") as progress:
+        for _ in range(passes):
+            for mode, concurrency in points:
+                specs = [{"prompt": p, "max_tokens": max_tokens, "mode": mode, "ignore_eos": True} for p in prompts]
+                repeat = max(4, requests_per_point // concurrency)     # clients keep the engine full, then drain
+                runs[(mode, concurrency)].append(run_client(server, "--specs", json.dumps(specs), "--concurrency",
+                                                            str(concurrency), "--repeat", str(repeat)))
+                progress.update()
+            mixed["concurrent"].append(run_client(server, "--specs", specs_mixed, "--concurrency", "8"))
+            mixed["one_at_a_time"].append(run_client(server, "--specs", specs_mixed, "--concurrency", "1",
+                                                     "--repeat", "8"))
+            progress.update(2)
+    together, alone = pooled(mixed["concurrent"]), pooled(mixed["one_at_a_time"])
+    return {"passes": passes, "sweep": [pooled(runs[point]) for point in points],
+            "mixed": {"concurrent": together, "one_at_a_time": alone,
+                      "throughput_ratio": together["throughput_tok_s"] / alone["throughput_tok_s"]}}
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One point over its passes: throughput = all tokens / all wall time; p50s averaged, p99s the worst pass's;
+    errors of every pass; each pass's own summary kept under ``passes``."""
+    first = runs[0]
+    out = {key: first[key] for key in ("concurrency", "mode", "max_tokens") if key in first}
+    tokens, wall = sum(r["generated_tokens"] for r in runs), sum(r["wall_s"] for r in runs)
+    out.update(requests=sum(r["requests"] for r in runs), wall_s=wall, generated_tokens=tokens,
+               throughput_tok_s=tokens / wall, errors=[e for r in runs for e in r["errors"]],
+               latency_p50_s=sum(r["latency_p50_s"] for r in runs) / len(runs),
+               latency_p99_s=max(r["latency_p99_s"] for r in runs),
+               ttft_p50_s=sum(r["ttft_p50_s"] for r in runs) / len(runs), ttft_p99_s=max(r["ttft_p99_s"] for r in runs),
+               passes=runs)
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -123,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime-options", default="{}", help="RuntimeOptions of the served model, as JSON "
                                                                 "(`serve.triton export --runtime-options`)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts of the report set, cycled")
+    parser.add_argument("--passes", type=int, default=2, help="times the whole sweep (and the mixed workload) runs")
     args = parser.parse_args(argv)
     from ssd_trt.serve.triton.environment import ensure_env
     from ssd_trt.serve.triton.repository import ExportOptions, export_repository
@@ -135,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                            log_file=Path(root) / "tritonserver.log"), ensure_env())
         try:
             server.start().wait_ready(timeout=900)
-            result = measure(server, prompts, args.max_tokens, args.requests)
+            result = measure(server, prompts, args.max_tokens, args.requests, args.passes)
             result["metrics"] = [line for line in server.metrics().splitlines() if line.startswith("ssd_trt_")]
         finally:
             server.stop()
