@@ -1,5 +1,5 @@
 """The SSD load policy (``batching/policy.py``): the cost model ranks the options until they are measured, measured
-rates then decide, the runner-up is re-measured now and then, and a switch round is not recorded."""
+rates then decide, and the runner-up is re-measured now and then, the more rarely the further behind it is."""
 from __future__ import annotations
 
 import pytest
@@ -42,12 +42,15 @@ def test_measured_rates_replace_the_estimates_and_the_runner_up_is_re_measured()
         for _ in range(LoadPolicy.MEASURED_AFTER + 1):
             policy.observe(16, name, tokens=16, seconds=seconds)
         assert policy.rates[(batch_bucket(16), name)].per_second == pytest.approx(16 / seconds)
-    policy.observe(16, "ar", tokens=16, seconds=0.001)           # the round after a switch: not recorded
-    assert policy.rates[(batch_bucket(16), "ar")].per_second == pytest.approx(16 / 0.05)
-    names = [policy.choose(SETTINGS, 16, costs, measured).name for _ in range(4 * LoadPolicy.EXPLORE_EVERY)]
-    # "ar" leads; the runner-up still runs now and then, EXPLORE_ROUNDS in a row (rarely: it is far behind)
-    runner_up = [name for name in names if name != "ar"]
-    assert 0 < len(runner_up) <= LoadPolicy.EXPLORE_ROUNDS and len(set(runner_up)) == 1
+    # "ar" leads by 95%: its runner-up still runs, EXPLORE_ROUNDS in a row, but only every ~285 rounds (1% budget)
+    interval = policy.explore_interval(16 / 1.0, 16 / 0.05)
+    assert interval == 285
+    names = [policy.choose(SETTINGS, 16, costs, measured).name for _ in range(2 * interval + LoadPolicy.EXPLORE_ROUNDS)]
+    runner_up = [i for i, name in enumerate(names) if name != "ar"]
+    assert len(runner_up) == 2 * LoadPolicy.EXPLORE_ROUNDS and len({names[i] for i in runner_up}) == 1
+    assert runner_up[LoadPolicy.EXPLORE_ROUNDS] - runner_up[0] == interval
+    # a close runner-up is explored as often as EXPLORE_EVERY allows
+    assert policy.explore_interval(0.99, 1.0) == LoadPolicy.EXPLORE_EVERY
     assert batch_bucket(3) == batch_bucket(4) == 4 and batch_bucket(9) == 16
 
 

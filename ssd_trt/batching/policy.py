@@ -19,6 +19,7 @@ whole rounds, everything included) and keeps re-measuring the runner-up now and 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 import numpy as np
@@ -146,18 +147,21 @@ class LoadPolicy:
     The model (:func:`options`) ranks the options until an option has been measured ``MEASURED_AFTER`` rounds
     at this batch bucket; from then on its measured rate (every round's tokens and wall time, Python included)
     stands in for the estimate. Now and then the runner-up runs ``EXPLORE_ROUNDS`` rounds in a row, so a rate
-    measured under other conditions is refreshed and an option the model underrated is found: every
-    ``EXPLORE_EVERY`` rounds of a bucket while it scores within 20% of the best, four times as rarely otherwise.
-    The first round after a switch pays for the switch (e.g. the draft catching up on a paused row) and is not
-    recorded."""
+    measured under other conditions is refreshed and an option the model underrated is found. Exploring costs
+    the gap between the two for those rounds, so it is spaced to spend at most ``EXPLORE_BUDGET`` of the
+    bucket's throughput: every ``EXPLORE_ROUNDS * gap / EXPLORE_BUDGET`` rounds (``gap`` = 1 - runner-up / best),
+    and no more often than every ``EXPLORE_EVERY`` rounds. Every round is recorded under the option it ran, the
+    first after a switch included: that round pays for the switch (e.g. a speculation to draft afresh), and a
+    policy that did not count it would switch more often than it pays."""
     rates: dict[tuple[int, str], Rate] = field(default_factory=dict)
     rounds: dict[int, int] = field(default_factory=dict)
+    explored: dict[int, int] = field(default_factory=dict)                # bucket: its round count at the last exploration
     exploring: dict[int, tuple[str, int]] = field(default_factory=dict)   # bucket: (option, rounds left)
-    last: str | None = None
 
     MEASURED_AFTER = 3
     EXPLORE_EVERY = 16
     EXPLORE_ROUNDS = 3
+    EXPLORE_BUDGET = 0.01
 
     def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> Choice:
         bucket = batch_bucket(batch)
@@ -173,17 +177,19 @@ class LoadPolicy:
             name, left = self.exploring.pop(bucket)
             if left > 1:
                 self.exploring[bucket] = (name, left - 1)
-        elif len(ranked) > 1:
-            close = scores[ranked[1]] >= 0.8 * scores[ranked[0]]
-            if count % (self.EXPLORE_EVERY if close else 4 * self.EXPLORE_EVERY) == 0:
-                name = ranked[1]
-                self.exploring[bucket] = (name, self.EXPLORE_ROUNDS - 1)
+        elif len(ranked) > 1 and count - self.explored.get(bucket, 0) >= self.explore_interval(
+                scores[ranked[1]], scores[ranked[0]]):
+            name, self.explored[bucket] = ranked[1], count
+            self.exploring[bucket] = (name, self.EXPLORE_ROUNDS - 1)
         return Choice(name, candidates[name][0], {n: round(v, 1) for n, v in scores.items()})
 
+    def explore_interval(self, runner_up: float, best: float) -> int:
+        """Rounds between explorations of a runner-up scoring ``runner_up`` against ``best`` (tokens/s)."""
+        gap = 1.0 - runner_up / best if best > 0 else 0.0
+        return max(self.EXPLORE_EVERY, math.ceil(self.EXPLORE_ROUNDS * gap / self.EXPLORE_BUDGET))
+
     def observe(self, batch: int, name: str, tokens: int, seconds: float) -> None:
-        switched, self.last = self.last is not None and name != self.last, name
-        if not switched:
-            self.rates.setdefault((batch_bucket(batch), name), Rate()).observe(tokens, seconds)
+        self.rates.setdefault((batch_bucket(batch), name), Rate()).observe(tokens, seconds)
 
     def describe(self) -> dict:
         return {f"{bucket} {name}": round(rate.per_second, 1) for (bucket, name), rate in sorted(self.rates.items())}

@@ -30,14 +30,14 @@ class OrtEngine(FeatureIO):
         int8 (accuracy level 4) instead of keeping them fp32 (level 1); no effect on a float graph.
 
         Row-exact steps: ONNX Runtime computes a one-token step's attention on another kernel than a step of
-        two or more tokens, and the two disagree (logits by up to 0.53 with int8 activations). The fused graph
-        attends a one-token step as two queries itself (``export/fused_graph.py``, marked in its metadata) and
-        writes one KV slot past the step. A graph without that mark (the traced form) with int8 activations is
-        fed each one-token step with a second, discarded token here instead: the same effect, but the
-        projections then compute two tokens per row (a 16-row decode step: 58 ms against 38 ms in-graph, one
-        core; research/cpu/measure_row_exact.py). Either way a token's logits do not depend on the step that
-        computed them (SD / SSD token-identical to AR), and the KV cache keeps one scratch slot beyond
-        max_context."""
+        two or more tokens, and the two disagree (logits by up to 0.53 at batch 1, 1.16 at batch 16, int8
+        activations). The fused graph attends a one-token step as two queries itself (``export/fused_graph.py``,
+        marked in its metadata) and writes one KV slot past the step. A graph without that mark (the traced
+        form) with int8 activations is fed each one-token step with a second, discarded token here instead: the
+        same effect, but the projections then compute two tokens per row (a 16-row one-token step: 51.2 ms
+        against 35.1 ms in-graph, one core; research/cpu/measure_row_exact.py). Either way a token's logits do
+        not depend on the step that computed them (SD / SSD token-identical to AR), and the KV cache keeps one
+        scratch slot beyond max_context."""
         import onnxruntime as ort
         self.spec = spec
         self.int8_activations = int8_activations
