@@ -177,7 +177,8 @@ def test_int8_activations_are_row_exact_and_every_mode_equals_ar(block_builds):
     build = block_builds["int8-act"]
     engine = EngineSet(build, read_manifest(build), {"target": RuntimeOptions().placement("target")}).get("target")
     assert not engine.pad_single_rows          # the graph attends one-token steps twice itself
-    tokens = np.array([[11, 42, 7, 19, 3, 25, 8, 30, 14], [9, 2, 33, 5, 17, 28, 6, 1, 40], [4, 4, 12, 21, 36, 15, 2, 8, 27]])
+    tokens = np.array([[11, 42, 7, 19, 3, 25, 8, 30, 14], [9, 2, 33, 5, 17, 28, 6, 1, 40],
+                       [4, 4, 12, 21, 36, 15, 2, 8, 27]])
 
     def run(model: OrtEngine, chunks: list[int], rows: int = 1) -> np.ndarray:
         model.reset(rows)

@@ -50,10 +50,11 @@ def test_the_serving_table_is_the_rendering_of_the_load_bench_artifact():
 
 def test_the_load_bench_pools_its_passes_by_tokens_over_wall_time():
     from ssd_trt.serve.triton.load_bench import pooled
-    passes = [{"concurrency": 4, "mode": "ssd", "max_tokens": 64, "requests": 32, "wall_s": 10.0, "generated_tokens": 2048,
-               "errors": [], "latency_p50_s": 1.0, "latency_p99_s": 1.5, "ttft_p50_s": 0.1, "ttft_p99_s": 0.3},
-              {"concurrency": 4, "mode": "ssd", "max_tokens": 64, "requests": 32, "wall_s": 6.0, "generated_tokens": 2048,
-               "errors": ["boom"], "latency_p50_s": 0.6, "latency_p99_s": 0.9, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2}]
+    point = {"concurrency": 4, "mode": "ssd", "max_tokens": 64, "requests": 32, "generated_tokens": 2048}
+    passes = [{**point, "wall_s": 10.0, "errors": [], "latency_p50_s": 1.0, "latency_p99_s": 1.5, "ttft_p50_s": 0.1,
+               "ttft_p99_s": 0.3},
+              {**point, "wall_s": 6.0, "errors": ["boom"], "latency_p50_s": 0.6, "latency_p99_s": 0.9, "ttft_p50_s": 0.1,
+               "ttft_p99_s": 0.2}]
     point = pooled(passes)
     assert point["throughput_tok_s"] == 4096 / 16.0 and point["requests"] == 64 and point["errors"] == ["boom"]
     assert point["latency_p50_s"] == 0.8 and point["latency_p99_s"] == 1.5 and point["ttft_p99_s"] == 0.3

@@ -155,7 +155,7 @@ class LoadPolicy:
     policy that did not count it would switch more often than it pays."""
     rates: dict[tuple[int, str], Rate] = field(default_factory=dict)
     rounds: dict[int, int] = field(default_factory=dict)
-    explored: dict[int, int] = field(default_factory=dict)                # bucket: its round count at the last exploration
+    explored: dict[int, int] = field(default_factory=dict)     # bucket: its round count at the last exploration
     exploring: dict[int, tuple[str, int]] = field(default_factory=dict)   # bucket: (option, rounds left)
 
     MEASURED_AFTER = 3

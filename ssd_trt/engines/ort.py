@@ -16,7 +16,8 @@ import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
 from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_META_ONE_TOKEN_TWICE, \
-    GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineSpec, FeatureIO, all_indices, check_room, checked_rollback, past_names, present_names
+    GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineSpec, FeatureIO, all_indices, check_room, checked_rollback, \
+    past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
 from ssd_trt.engines.rows import check_order
 
