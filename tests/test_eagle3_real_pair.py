@@ -35,7 +35,8 @@ def real_feature_pair(tmp_path_factory) -> Path:
     recipe = yaml.safe_load((ROOT / "recipes" / "smollm2-135m-eagle3.yaml").read_text())
     recipe["draft"]["source"] = str(ROOT / "recipes" / recipe["draft"]["source"])
     recipe["output_dir"] = str(root / "build")
-    recipe["engine"].update(backend="ort", max_batch=ROWS, max_context=256)
+    # ONNX Runtime only: a feature pair's TensorRT for RTX plans are built by test_tensorrt_rtx.py
+    recipe["engine"].update(backend="ort", tensorrt="none", max_batch=ROWS, max_context=256)
     path = root / "eagle3-ort.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return build(path, root=root)
