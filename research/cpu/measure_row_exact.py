@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,15 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 PREFIX, NEW = 40, 3
 
 
-def uncopied_graph(build: Path, out_dir: Path) -> Path:
+def uncopied_graph(build: Path) -> Path:
     """The build's target graph with its one-token copy off, beside the build's weights (its external data)."""
     import onnx
+    from ssd_trt.export.fused_graph import without_one_token_copy
     graph = onnx.load(str(build / "target" / "model.ort.onnx"), load_external_data=False)
-    for tensor in graph.graph.initializer:
-        if tensor.name == "fused.one64":
-            tensor.CopyFrom(onnx.numpy_helper.from_array(np.array([-1], np.int64), tensor.name))
-    path = build / "target" / f"model.uncopied.{out_dir.name}.onnx"
-    onnx.save_model(graph, str(path))
+    path = build / "target" / "model.uncopied.onnx"
+    onnx.save_model(without_one_token_copy(graph), str(path))
     return path
 
 
@@ -93,26 +90,25 @@ def main() -> int:
     options = RuntimeOptions(target_threads=1, target_cores=(0,), spin=True)
     engine = EngineSet(args.build, read_manifest(args.build), {"target": options.placement("target")}).get("target")
     report: dict = {"build": str(args.build), "prefix_tokens": PREFIX, "new_tokens_per_row": NEW, "threads": 1}
-    with tempfile.TemporaryDirectory() as scratch:
-        path = uncopied_graph(args.build, Path(scratch))
-        try:
-            plain = OrtEngine(path, engine.spec, threads=1, int8_activations=True)
-            ways = {"in_graph": (engine, False), "uncopied": (plain, False), "engine_padded": (plain, True)}
-            with pinned((0,)):
-                for batch in (1, 16):
-                    row, times = {}, {name: [] for name in ways}
+    path = uncopied_graph(args.build)
+    try:
+        plain = OrtEngine(path, engine.spec, threads=1, int8_activations=True)
+        ways = {"in_graph": (engine, False), "uncopied": (plain, False), "engine_padded": (plain, True)}
+        with pinned((0,)):
+            for batch in (1, 16):
+                row, times = {}, {name: [] for name in ways}
+                for name, (model, padded) in ways.items():
+                    model.pad_single_rows = padded
+                    row[name] = exactness(model, batch)
+                for _ in range(8):          # interleaved rounds
                     for name, (model, padded) in ways.items():
                         model.pad_single_rows = padded
-                        row[name] = exactness(model, batch)
-                    for _ in range(8):          # interleaved rounds
-                        for name, (model, padded) in ways.items():
-                            model.pad_single_rows = padded
-                            times[name] += decode_times(model, batch)[2:]
-                    for name in ways:
-                        row[name]["decode_step_ms"] = 1e3 * float(np.median(times[name]))
-                    report[f"batch_{batch}"] = row
-        finally:
-            path.unlink()
+                        times[name] += decode_times(model, batch)[2:]
+                for name in ways:
+                    row[name]["decode_step_ms"] = 1e3 * float(np.median(times[name]))
+                report[f"batch_{batch}"] = row
+    finally:
+        path.unlink()
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 MS_DOMAIN = "com.microsoft"
 OPSET = 23            # RMSNormalization (block-32 DequantizeLinear and INT4 since 21)
 INLINE_BYTES = 1024   # initializers smaller than this stay in the graph (as save_flavours leaves them)
+ONE_TOKEN_TEST = "fused.one64"   # the T a step must have for attention to see its token twice
 
 
 def unsupported_reason(model) -> str | None:
@@ -214,7 +215,7 @@ def _attention_preamble(graph: _Graph) -> dict[str, str]:
     g.constant("fused.ax0", np.array([0], np.int64))
     g.constant("fused.ax1", np.array([1], np.int64))
     t = g.node("Shape", ["input_ids"], "fused.T", start=1, end=2)                      # [1] int64
-    one = g.constant("fused.one64", np.array([1], np.int64))
+    one = g.constant(ONE_TOKEN_TEST, np.array([1], np.int64))
     extra = g.node("Cast", [g.node("Equal", [t, one], "fused.one_token")], "fused.extra_query",
                    to=TensorProto.INT64)                                               # [1]: 1 when T = 1, else 0
     t_attended = g.node("Add", [t, extra], "fused.T_attended")
@@ -238,6 +239,16 @@ def _attention_preamble(graph: _Graph) -> dict[str, str]:
     bias = g.node("Pad", [bias, bias_pads, "fused.zero_f"], "fused.attention_bias_attended")
     return {"seqlens_k": seqlens, "total": total, "bias": bias, "query_seqlens": query_seqlens,
             "position_ids": _one_token_twice(g, "position_ids", extra), "extra": extra, "T": t}
+
+
+def without_one_token_copy(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """``graph`` (a fused step graph) with the one-token copy switched off: its T = 1 test is never true, so a
+    one-token step attends one query (what row exactness is measured against: docs/weights.md)."""
+    for tensor in graph.graph.initializer:
+        if tensor.name == ONE_TOKEN_TEST:
+            tensor.CopyFrom(numpy_helper.from_array(np.array([-1], np.int64), tensor.name))
+            return graph
+    raise ValueError(f"not a fused step graph with a one-token copy: no initializer {ONE_TOKEN_TEST!r}")
 
 
 def _one_token_twice(graph: _Graph, tensor: str, extra: str) -> str:
