@@ -21,7 +21,8 @@ BACKENDS = ("ort", "trt", "torch")
 
 @dataclass
 class RuntimeOptions:
-    """Defaults: target on core 0, draft on core 1 (one thread each), the build's backend."""
+    """Defaults: target on core 0, draft on core 1 (one thread each), the build's backend; the target's steps
+    taken while the draft is idle run on both cores."""
     target_threads: int = 1
     draft_threads: int = 1
     target_cores: tuple[int, ...] | None = (0,)
@@ -30,6 +31,11 @@ class RuntimeOptions:
     backend: str | None = None              # None: the build's (TensorRT when usable, else ONNX Runtime)
     draft_timeout_s: float = 60.0           # a draft call that takes longer is abandoned (SSD)
     draft_copy: bool = True                 # use the draft's copy component when its config has one
+    # threads of the target's steps taken while the draft is idle (prefills, AR rounds, SD's verification,
+    # SSD rounds whose speculation the load policy paused), on the target's and the draft's cores. None: one
+    # per core of the two; at most target_threads: never more than placed. ONNX Runtime opens a second session
+    # of the target for them (its weights held twice; same logits, bit for bit: tests/test_embedded_pair.py).
+    target_alone_threads: int | None = None
 
     def __post_init__(self) -> None:
         available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
@@ -37,8 +43,10 @@ class RuntimeOptions:
             cores = getattr(self, name)
             if cores and available and not set(cores) <= available:
                 setattr(self, name, None)   # fewer cores than asked: let the OS place the threads
-        for name in ("target_threads", "draft_threads"):
+        for name in ("target_threads", "draft_threads", "target_alone_threads"):
             value = getattr(self, name)
+            if value is None and name == "target_alone_threads":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         if self.backend is not None and self.backend not in BACKENDS:
@@ -56,8 +64,23 @@ class RuntimeOptions:
                   or bool(set(self.target_cores) & set(self.draft_cores)))
         return not (shared and max(self.target_threads, self.draft_threads) > 1)
 
+    @property
+    def alone_cores(self) -> tuple[int, ...] | None:
+        """The target's cores, then the draft's (None: either is left to the OS)."""
+        if self.target_cores is None or self.draft_cores is None:
+            return None
+        return tuple(dict.fromkeys(self.target_cores + self.draft_cores))
+
+    @property
+    def alone_threads(self) -> int:
+        if self.target_alone_threads is not None:
+            return max(self.target_alone_threads, self.target_threads)
+        cores = self.alone_cores
+        return len(cores) if cores is not None else self.target_threads + self.draft_threads
+
     def placement(self, role: str) -> ModelPlacement:
         """Where ``role`` (target | draft) runs."""
         if role == "target":
-            return ModelPlacement(self.target_cores, self.target_threads, self.spinning, self.draft_timeout_s)
+            return ModelPlacement(self.target_cores, self.target_threads, self.spinning, self.draft_timeout_s,
+                                  self.alone_cores, self.alone_threads)
         return ModelPlacement(self.draft_cores, self.draft_threads, self.spinning, self.draft_timeout_s)

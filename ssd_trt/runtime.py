@@ -62,7 +62,11 @@ class Generator:
                                  self.options.backend, self.options.draft_copy)
         eos = self.manifest.model("target").config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.cost_curves = CostCurves()       # step times the engine step's SSD policy compares, measured once
+        # what the engine step's SSD load policy learns, kept across requests (each generate() runs its own step
+        # loop): step times, measured once; per adaptive settings family, the measured rates and yields
+        self.cost_curves = CostCurves()
+        self.load_policies: dict = {}
+        self.ssd_yields: dict = {}
 
     def engine(self, role: str):
         return self.engines.get(role)

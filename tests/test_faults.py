@@ -19,7 +19,7 @@ from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.saguaro import generate_saguaro
 from ssd_trt.decoding.settings import AR, SD, SSD
-from ssd_trt.engines.base import FeatureIO
+from ssd_trt.engines.base import EngineDefaults
 from ssd_trt.errors import Cancelled, EngineError
 from ssd_trt.runtime import RuntimeOptions
 
@@ -34,7 +34,7 @@ class InjectedFault(RuntimeError):
     pass
 
 
-class FaultyEngine(FeatureIO):
+class FaultyEngine(EngineDefaults):
     """A real engine that misbehaves from forward call number ``at`` (0-based) on (``once``: only then).
 
     crash: raises | hang: sleeps ``hang_s`` then answers | garbage: random logits | nan: NaN logits |

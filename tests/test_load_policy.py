@@ -42,9 +42,9 @@ def test_measured_rates_replace_the_estimates_and_the_runner_up_is_re_measured()
         for _ in range(LoadPolicy.MEASURED_AFTER + 1):
             policy.observe(16, name, tokens=16, seconds=seconds)
         assert policy.rates[(batch_bucket(16), name)].per_second == pytest.approx(16 / seconds)
-    # "ar" leads by 95%: its runner-up still runs, EXPLORE_ROUNDS in a row, but only every ~285 rounds (1% budget)
+    # "ar" leads by 95%: its runner-up still runs, EXPLORE_ROUNDS in a row, but only every ~380 rounds (1% budget)
     interval = policy.explore_interval(16 / 1.0, 16 / 0.05)
-    assert interval == 285
+    assert interval == 380
     names = [policy.choose(SETTINGS, 16, costs, measured).name for _ in range(2 * interval + LoadPolicy.EXPLORE_ROUNDS)]
     runner_up = [i for i, name in enumerate(names) if name != "ar"]
     assert len(runner_up) == 2 * LoadPolicy.EXPLORE_ROUNDS and len({names[i] for i in runner_up}) == 1
@@ -52,6 +52,25 @@ def test_measured_rates_replace_the_estimates_and_the_runner_up_is_re_measured()
     # a close runner-up is explored as often as EXPLORE_EVERY allows
     assert policy.explore_interval(0.99, 1.0) == LoadPolicy.EXPLORE_EVERY
     assert batch_bucket(3) == batch_bucket(4) == 4 and batch_bucket(9) == 16
+
+
+def test_a_switch_round_is_charged_to_exploring_not_to_the_option():
+    """The round after a switch pays a one-off (the draft catching up): it is kept out of the option's rate and
+    spaces the explorations out instead; a rate is the mean of its first rounds, not the last few."""
+    policy = LoadPolicy()
+    for name, seconds in (("ar", 0.01), ("ssd K=1 jit", 0.012), ("ar", 0.01)):
+        for _ in range(4):        # (the first round after a switch to an option never measured is dropped)
+            policy.observe(1, name, tokens=1 if name == "ar" else 2, seconds=seconds)
+    policy.observe(1, "ssd K=1 jit", tokens=2, seconds=0.042)       # the switch: 30 ms of catch-up
+    policy.observe(1, "ssd K=1 jit", tokens=1, seconds=0.012)
+    rate = policy.rates[(1, "ssd K=1 jit")]
+    assert rate.rounds == 4 and rate.per_second == pytest.approx(7 / 0.048)
+    # two switches: back to AR cost nothing, to SSD 30 ms (a running average: 0.8 x 0 + 0.2 x 30 ms)
+    assert policy.switch_s[1] == pytest.approx(0.006)
+    assert policy.switch_rounds(1, "ar") == pytest.approx(1.2)        # an exploration's 2 switches, in AR rounds
+    # exploring a runner-up 10% behind: 4 x 0.1 rounds of gap + 1.2 rounds of switching, within a 1% budget
+    assert policy.explore_interval(0.9, 1.0, policy.switch_rounds(1, "ar")) == 160
+    assert policy.explore_interval(0.9, 1.0) == 40
 
 
 def test_a_curve_never_timed_is_an_error_not_a_guess():

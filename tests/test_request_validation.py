@@ -61,6 +61,7 @@ def test_bad_sampling_parameter_is_refused(case):
 BAD_OPTIONS = {
     "draft timeout zero": ({"draft_timeout_s": 0}, "draft_timeout_s must be positive"),
     "threads zero": ({"target_threads": 0}, "target_threads must be a positive integer"),
+    "alone threads zero": ({"target_alone_threads": 0}, "target_alone_threads must be a positive integer"),
 }
 
 

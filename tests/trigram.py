@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ssd_trt.engines.base import EngineSpec, FeatureIO
+from ssd_trt.engines.base import EngineSpec, EngineDefaults
 
 
-class TrigramEngine(FeatureIO):
+class TrigramEngine(EngineDefaults):
     def __init__(self, log_table: np.ndarray, max_batch: int = 4096, max_context: int = 512,
                  name: str = "trigram") -> None:
         self.table = np.asarray(log_table, dtype=np.float64)          # [V, V, V]: (parent, token) -> next

@@ -87,7 +87,7 @@ def main() -> int:
     from ssd_trt.engines.ort import OrtEngine
     from ssd_trt.manifest import read_manifest
     from ssd_trt.options import RuntimeOptions
-    options = RuntimeOptions(target_threads=1, target_cores=(0,), spin=True)
+    options = RuntimeOptions(target_threads=1, target_cores=(0,), spin=True, target_alone_threads=1)
     engine = EngineSet(args.build, read_manifest(args.build), {"target": options.placement("target")}).get("target")
     report: dict = {"build": str(args.build), "prefix_tokens": PREFIX, "new_tokens_per_row": NEW, "threads": 1}
     path = uncopied_graph(args.build)

@@ -14,7 +14,8 @@ One :meth:`LLMEngine.step` (the shape of nano-vllm's ``LLMEngine.step``):
   2. lay out    the target's rows in the order [SSD groups | SD | AR] (the draft holds the first two, the
                 same rows); the engines' caches are rearranged (``Engine.select_rows``) only when the set or
                 its grouping changed; the prompts of requests that just joined are prefilled on their own
-                rows (``Engine.rows``) and their first token sampled
+                rows (``Engine.rows``; on the draft's cores too, idle between rounds) and their first token
+                sampled
   3. one round  (``round.py``) the draft proposes for SD rows (and SSD rows without a ready speculation);
                 the draft pre-speculates for SSD rows on its own core while the target verifies every row in
                 one forward (AR rows feed one token); each row commits by its own parameters and random
@@ -36,13 +37,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ssd_trt.batching.policy import Choice, CostCurves, LoadPolicy, Yield
+from ssd_trt.batching.policy import TARGET_ALONE, Choice, CostCurves, LoadPolicy, Yield
 from ssd_trt.batching.round import RoundPlan, run_round
 from ssd_trt.batching.sequence import SequenceState
 from ssd_trt.decoding.fan_out import FanOutPlanner
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import draw_rows
-from ssd_trt.decoding.settings import DEFAULT_MODE, SSD, Settings, settings_for
+from ssd_trt.decoding.settings import DEFAULT_MODE, SD, SSD, Settings, settings_for
 from ssd_trt.engines.affinity import pin
 from ssd_trt.engines.cuda_graphs import doubling_sizes
 from ssd_trt.engines.feeding import feed_ragged
@@ -159,16 +160,17 @@ class LLMEngine:
         self._draft_rows: list[SequenceState] = []       # the draft's: the target's first rows
         self._ids = itertools.count()
         self._planners: dict[SSD, FanOutPlanner] = {}
-        self._yields: dict[SSD, Yield] = {}
-        self._policies: dict[SSD, LoadPolicy] = {}
+        self._yields: dict[SSD, Yield] = generator.ssd_yields          # the Generator's: kept across requests
+        self._policies: dict[SSD, LoadPolicy] = generator.load_policies
         self.draft_failure: BaseException | None = None
         placement = generator.options.placement("draft")
         self._draft_cores, self.draft_timeout_s = placement.cores, placement.timeout_s
         self._pool: ThreadPoolExecutor | None = None
         self.costs: CostCurves = generator.cost_curves
         self._calibrated: set = set()
-        if calibrate:
-            self._calibrate([SSD().resolved(generator.decoding_defaults(SamplingParams()))])
+        if calibrate:       # SSD's defaults for greedy and for sampled requests (their K and budget may differ)
+            self._calibrate([SSD().resolved(generator.decoding_defaults(params))
+                             for params in (SamplingParams(), SamplingParams(temperature=1.0))])
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -285,8 +287,8 @@ class LLMEngine:
                 plans[id(seq)] = RoundPlan("ar", None)
             elif name == "sd":
                 plans[id(seq)] = RoundPlan("sd", settings)
-            elif batch == 1 or not seq.adaptive:
-                plans[id(seq)] = RoundPlan("ssd", settings)   # one request: the build's tuned K and budget
+            elif not seq.adaptive:
+                plans[id(seq)] = RoundPlan("ssd", settings)
             else:
                 if settings not in choices:
                     self._calibrate([settings])
@@ -298,8 +300,8 @@ class LLMEngine:
                     choices[settings] = (policy, choice)
                     self.metrics.last_choice = {"batch": batch, "chose": choices[settings][1].name,
                                                 **choices[settings][1].scores}
-                chosen = choices[settings][1].settings
-                plans[id(seq)] = RoundPlan("ssd", chosen, settings)    # chosen None: speculation paused
+                chosen = choices[settings][1].settings          # None: speculation paused
+                plans[id(seq)] = RoundPlan("sd" if isinstance(chosen, SD) else "ssd", chosen, settings)
         return plans, [(policy, choice.name) for policy, choice in choices.values()]
 
     def _calibrate(self, settings: list[SSD]) -> None:
@@ -318,7 +320,10 @@ class LLMEngine:
             key = (s.draft_len, s.fan_out_budget, self.max_running)
             if key in self._calibrated:
                 continue
-            self.costs.calibrate(self.generator.engine("target"), "target", sizes, target_tokens)
+            target = self.generator.engine("target")
+            self.costs.calibrate(target, "target", sizes, target_tokens)
+            with target.alone():
+                self.costs.calibrate(target, TARGET_ALONE, sizes, target_tokens)
             self.costs.calibrate(self.generator.engine("draft"), "draft", sizes, draft_tokens)
             self._calibrated.add(key)
 
@@ -373,7 +378,8 @@ class LLMEngine:
                 runs.append([seq])
         for run in runs:
             first = index[id(run[0])]
-            logits = feed_ragged(target.rows(first, first + len(run)), [s.prompt for s in run])
+            with target.alone():            # between rounds: the draft is idle
+                logits = feed_ragged(target.rows(first, first + len(run)), [s.prompt for s in run])
             tokens, _ = draw_rows(logits, [s.params for s in run], [s.rng for s in run])
             for seq, token in zip(run, tokens):
                 self.emit(outputs, seq, seq.commit([int(token)]))

@@ -24,10 +24,11 @@ import time
 from dataclasses import dataclass, field, replace
 import numpy as np
 
-from ssd_trt.decoding.settings import SSD
+from ssd_trt.decoding.settings import SD, SSD
 
 EMA = 0.2          # weight of the newest observation in the running averages
 PRIOR_HIT_RATE = 0.7
+TARGET_ALONE = "target alone"     # the cost curve of target steps taken while the draft is idle (Engine.alone)
 
 
 @dataclass
@@ -67,7 +68,8 @@ class CostCurves:
 
 @dataclass
 class Yield:
-    """Running averages of what SSD rounds produced: accepted tokens per (K, hit | backup source), the hit rate."""
+    """Running averages of what adaptive SSD requests' rounds produced: accepted tokens per (K, hit | backup
+    source | ``sd``: drafted in turn), the hit rate."""
     prior_acceptance: float
     accepted: dict[tuple[int, str], float] = field(default_factory=dict)
     hit_rate: float | None = None
@@ -90,17 +92,27 @@ class Yield:
 
 @dataclass(frozen=True)
 class Choice:
-    """What a round of adaptive SSD rows runs: ``settings`` (K, backup), or None for an autoregressive round;
-    the option's name, and every option's score (tokens per second for the batch)."""
+    """What a round of adaptive SSD rows runs: ``settings`` (SSD: K and the backup; SD: K' drafted in turn with
+    the verification), or None for an autoregressive round; the option's name, and every option's score (tokens
+    per second for the batch)."""
     name: str
-    settings: SSD | None
+    settings: SSD | SD | None
     scores: dict[str, float]
 
 
-def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> dict[str, tuple[SSD | None, float]]:
-    """Every option for ``batch`` live sequences -- no speculation, or K' = 1..K with each allowed backup -- and
-    the model's estimate of its tokens per second (module doc)."""
-    out: dict[str, tuple[SSD | None, float]] = {"ar": (None, batch / costs.cost("target", batch, 1))}
+def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield
+            ) -> dict[str, tuple[SSD | SD | None, float]]:
+    """Every option for ``batch`` live sequences -- no speculation; K' = 1..K drafted in turn with the
+    verification (SD rounds); or K' = 1..K speculated beside it with each allowed backup -- and the model's
+    estimate of its tokens per second (module doc)."""
+    def alone(tokens: int) -> float:
+        """A target step while the draft is idle: on the draft's cores too (Engine.alone)."""
+        return costs.cost(TARGET_ALONE if costs.covers(TARGET_ALONE, batch, tokens) else "target", batch, tokens)
+    out: dict[str, tuple[SSD | SD | None, float]] = {"ar": (None, batch / alone(1))}
+    for draft_len in range(1, settings.draft_len + 1):
+        in_turn = costs.cost("draft", batch, 1) * draft_len + alone(draft_len + 1)
+        out[f"sd K={draft_len}"] = (SD(draft_len=draft_len),
+                                    batch * (1 + measured.acceptance(draft_len, "sd")) / in_turn)
     p_hit = PRIOR_HIT_RATE if measured.hit_rate is None else measured.hit_rate
     backups = ("jit", "ngram") if settings.backup == "auto" else (settings.backup,)
     for draft_len in range(1, settings.draft_len + 1):
@@ -122,15 +134,21 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
+RATE_MEMORY = 0.05   # weight of the newest round in an option's rate, once it has 20 rounds (before: their mean)
+
+
 @dataclass
 class Rate:
-    """Running average of the tokens a round produced and the seconds it took, for one option at one load."""
+    """Running average of the tokens a round produced and the seconds it took, for one option at one load. Rounds
+    yield 1 to K+1 tokens, so a short window is noisy: the rate is the plain mean of the first 1 / RATE_MEMORY
+    rounds, then a slow exponential average (options within a few percent of each other are told apart only
+    over tens of rounds)."""
     tokens: float = 0.0
     seconds: float = 0.0
     rounds: int = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        weight = 1.0 if self.rounds == 0 else EMA
+        weight = max(1.0 / (self.rounds + 1), RATE_MEMORY)
         self.tokens += weight * (tokens - self.tokens)
         self.seconds += weight * (seconds - self.seconds)
         self.rounds += 1
@@ -145,22 +163,28 @@ class LoadPolicy:
     """Which option adaptive SSD requests (one settings family) run at each load.
 
     The model (:func:`options`) ranks the options until an option has been measured ``MEASURED_AFTER`` rounds
-    at this batch bucket; from then on its measured rate (every round's tokens and wall time, Python included)
-    stands in for the estimate. Now and then the runner-up runs ``EXPLORE_ROUNDS`` rounds in a row, so a rate
-    measured under other conditions is refreshed and an option the model underrated is found. Exploring costs
-    the gap between the two for those rounds, so it is spaced to spend at most ``EXPLORE_BUDGET`` of the
-    bucket's throughput: every ``EXPLORE_ROUNDS * gap / EXPLORE_BUDGET`` rounds (``gap`` = 1 - runner-up / best),
-    and no more often than every ``EXPLORE_EVERY`` rounds. Every round is recorded under the option it ran, the
-    first after a switch included: that round pays for the switch (e.g. a speculation to draft afresh), and a
-    policy that did not count it would switch more often than it pays."""
+    at this batch bucket; from then on its measured rate (its rounds' tokens and wall time, Python included)
+    stands in for the estimate. Now and then the runner-up (or, first, the best option still unmeasured) runs
+    ``EXPLORE_ROUNDS`` rounds in a row, so a rate measured under other conditions is refreshed and an option the
+    model underrated is found.
+
+    The first round after a switch of option pays for the switch: the draft catches up on what it missed (an
+    autoregressive round leaves the draft's core to the target, ``round.py``), or speculation starts afresh. That
+    one-off is not the option's rate, so it is filed apart (``switch_s``: its seconds beyond the option's usual
+    round, averaged over switches either way) and charged where it belongs, to exploring. An exploration costs
+    the gap for its rounds plus two switches, ``EXPLORE_ROUNDS * gap + 2 * switch_s / round`` rounds of the best
+    option (``gap`` = 1 - explored / best), and is spaced to spend at most ``EXPLORE_BUDGET`` of the bucket's
+    throughput, and no more often than every ``EXPLORE_EVERY`` rounds."""
     rates: dict[tuple[int, str], Rate] = field(default_factory=dict)
     rounds: dict[int, int] = field(default_factory=dict)
     explored: dict[int, int] = field(default_factory=dict)     # bucket: its round count at the last exploration
     exploring: dict[int, tuple[str, int]] = field(default_factory=dict)   # bucket: (option, rounds left)
+    switch_s: dict[int, float] = field(default_factory=dict)   # bucket: a switch round's extra seconds (average)
+    last: str | None = None                                     # the option the last round ran
 
     MEASURED_AFTER = 3
     EXPLORE_EVERY = 16
-    EXPLORE_ROUNDS = 3
+    EXPLORE_ROUNDS = 4
     EXPLORE_BUDGET = 0.01
 
     def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> Choice:
@@ -177,19 +201,46 @@ class LoadPolicy:
             name, left = self.exploring.pop(bucket)
             if left > 1:
                 self.exploring[bucket] = (name, left - 1)
-        elif len(ranked) > 1 and count - self.explored.get(bucket, 0) >= self.explore_interval(
-                scores[ranked[1]], scores[ranked[0]]):
-            name, self.explored[bucket] = ranked[1], count
-            self.exploring[bucket] = (name, self.EXPLORE_ROUNDS - 1)
+        elif len(ranked) > 1:
+            # the best option still only estimated, else the runner-up
+            untried = [n for n in ranked[1:] if self.measured_rounds(bucket, n) < self.MEASURED_AFTER]
+            candidate = untried[0] if untried else ranked[1]
+            if count - self.explored.get(bucket, 0) >= self.explore_interval(
+                    scores[candidate], scores[ranked[0]], self.switch_rounds(bucket, ranked[0])):
+                name, self.explored[bucket] = candidate, count
+                self.exploring[bucket] = (name, self.EXPLORE_ROUNDS - 1)
         return Choice(name, candidates[name][0], {n: round(v, 1) for n, v in scores.items()})
 
-    def explore_interval(self, runner_up: float, best: float) -> int:
-        """Rounds between explorations of a runner-up scoring ``runner_up`` against ``best`` (tokens/s)."""
+    def measured_rounds(self, bucket: int, name: str) -> int:
+        rate = self.rates.get((bucket, name))
+        return 0 if rate is None else rate.rounds
+
+    def switch_rounds(self, bucket: int, best: str) -> float:
+        """An exploration's two switches (to the runner-up and back), in rounds of the best option (0 until
+        measured)."""
+        rate = self.rates.get((bucket, best))
+        if rate is None or rate.seconds <= 0:
+            return 0.0
+        return 2 * self.switch_s.get(bucket, 0.0) / rate.seconds
+
+    def explore_interval(self, runner_up: float, best: float, switch_rounds: float = 0.0) -> int:
+        """Rounds between explorations of a runner-up scoring ``runner_up`` against ``best`` (tokens/s), when a
+        switch costs ``switch_rounds`` rounds of the best option."""
         gap = 1.0 - runner_up / best if best > 0 else 0.0
-        return max(self.EXPLORE_EVERY, math.ceil(self.EXPLORE_ROUNDS * gap / self.EXPLORE_BUDGET))
+        cost = self.EXPLORE_ROUNDS * gap + max(0.0, switch_rounds)
+        return max(self.EXPLORE_EVERY, math.ceil(cost / self.EXPLORE_BUDGET))
 
     def observe(self, batch: int, name: str, tokens: int, seconds: float) -> None:
-        self.rates.setdefault((batch_bucket(batch), name), Rate()).observe(tokens, seconds)
+        """A round of option ``name`` at ``batch`` rows made ``tokens`` in ``seconds``."""
+        bucket = batch_bucket(batch)
+        rate = self.rates.get((bucket, name))
+        switched, self.last = self.last is not None and self.last != name, name
+        if not switched:
+            self.rates.setdefault((bucket, name), Rate()).observe(tokens, seconds)
+        elif rate is not None:              # (a first round after a switch has nothing to be compared with)
+            extra = seconds - rate.seconds
+            old = self.switch_s.get(bucket)
+            self.switch_s[bucket] = extra if old is None else (1 - EMA) * old + EMA * extra
 
     def describe(self) -> dict:
         return {f"{bucket} {name}": round(rate.per_second, 1) for (bucket, name), rate in sorted(self.rates.items())}

@@ -7,7 +7,9 @@
   2. speculate  for each SSD group, the draft's worker pre-drafts the likely outcomes of this round
                 (``saguaro.DraftWorker.speculate``) -- on the draft's core, while the target verifies
   3. verify     one target forward over every row: [t*_prev] for AR rows, [t*_prev, s_1..s_K] for the others
-                (ragged, right-padded); each row verifies (``sampling.verify_chain``) or samples, and commits
+                (ragged, right-padded); each row verifies (``sampling.verify_chain``) or samples, and commits.
+                When no SSD group speculates, the draft's core is idle: the target runs on it too
+                (``Engine.alone``), and paused SSD rows leave their catch-up to the round that resumes them
   4. settle     SD rows keep the draft's cache in step; SSD rows look up the outcome in their group's cache
                 and back up on a miss (just in time, or prompt lookup), learning the fan-out as they go
 
@@ -18,11 +20,13 @@ interleaving of requests, and a seeded sampled request whose mode runs the same 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ssd_trt.batching.policy import TARGET_ALONE
 from ssd_trt.batching.sequence import SequenceState, Speculation
 from ssd_trt.decoding.fan_out import bonus_rank
 from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, verify_chain
@@ -39,9 +43,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RoundPlan:
     """How one request runs this round: ar | sd | ssd, with the settings in force (an adaptive SSD request's as
-    the policy chose them; None: speculation paused, an autoregressive round that keeps the request's draft
-    row, so that resuming feeds the draft only what it missed) and, for adaptive SSD, the request's own settings
-    (``family``: what the policy adapts and what its measurements are filed under)."""
+    the policy chose them: SSD settings; SD settings, drafting in turn with the verification; or None:
+    speculation paused, an autoregressive round that keeps the request's draft row, so that resuming feeds the
+    draft only what it missed) and, for adaptive SSD, the request's own settings (``family``: what the policy
+    adapts and what its measurements are filed under). Every kind leaves the draft's cache holding the request's
+    committed tokens but its ``draft_pending`` and its unfed last token, so a request may change kind between
+    rounds."""
     kind: str
     settings: SD | SSD | None
     family: SSD | None = None
@@ -64,10 +71,13 @@ def run_round(engine: "LLMEngine", plans: dict[int, RoundPlan], outputs: dict[st
     chain = propose(engine, rows, drafted, plan)
     groups = row_runs(drafted, plan, speculating=True)
     futures = [speculate(engine, rows, first, stop, plan[first].settings) for first, stop in groups]
-    futures += [catch_up(engine, rows, first, stop) for first, stop in row_runs(drafted, plan, speculating=False)]
+    # the draft's core works through this round's verification, or lends it to the target (Engine.alone)
+    draft_busy = any(future is not None for future in futures)
+    if draft_busy:
+        futures += [catch_up(engine, rows, first, stop) for first, stop in row_runs(drafted, plan, speculating=False)]
     proposals = [row_proposal(seq, plan[i], chain, i) for i, seq in enumerate(rows)]
     verify_started = time.perf_counter()
-    outcomes = verify(engine, rows, proposals, outputs)
+    outcomes = verify(engine, rows, proposals, outputs, alone=not draft_busy)
     verified = time.perf_counter()
     for i in range(len(drafted)):            # SSD rows, speculating or paused: the draft will see the verified glue
         if plan[i].kind == "ssd" and outcomes[i] is not None:
@@ -179,8 +189,10 @@ def row_runs(drafted: list[SequenceState], plan: list[RoundPlan], speculating: b
 
 
 def catch_up(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int):
-    """Paused SSD rows: the draft's otherwise idle core feeds them what they committed, while the target
-    verifies, so that resuming speculation costs no catch-up. None when there is nothing to feed."""
+    """Paused SSD rows, in a round where other rows speculate: after the speculation, the draft's core feeds them
+    what they committed while the target verifies, so that resuming costs less catch-up. (In a round where no
+    row speculates the target runs on the draft's core too, and the tokens wait: the draft feeds them when
+    speculation resumes, ``propose``.) None when there is nothing to feed."""
     seqs = rows[first:stop]
     if engine.draft_failure is not None or any(not s.draft_pending for s in seqs):
         return None
@@ -244,9 +256,10 @@ def row_proposal(seq: SequenceState, plan: RoundPlan, chain: ChainDraft | None, 
 
 
 def verify(engine: "LLMEngine", rows: list[SequenceState], proposals: list[Speculation | None],
-           outputs: dict[str, "RequestOutput"]) -> list[tuple[list[int], int] | None]:
-    """One target forward over every row; per row (glue kept for the draft = [t*_prev, s_1..s_k], k) or None
-    for a row that did not run (finished)."""
+           outputs: dict[str, "RequestOutput"], alone: bool) -> list[tuple[list[int], int] | None]:
+    """One target forward over every row (``alone``: the draft is idle meanwhile, so the target may use its cores
+    too); per row (glue kept for the draft = [t*_prev, s_1..s_k], k) or None for a row that did not run
+    (finished)."""
     target = engine.generator.engine("target")
     feeds = [[0] if seq.finished else [seq.unfed] + ([] if p is None else [int(t) for t in p.tokens])
              for seq, p in zip(rows, proposals)]
@@ -256,8 +269,9 @@ def verify(engine: "LLMEngine", rows: list[SequenceState], proposals: list[Specu
         ids[i, :len(feed)] = feed
     start = target.lengths
     started = time.perf_counter()
-    logits = target.forward(ids, start[:, None].astype(np.int64) + np.arange(width)[None, :])
-    engine.costs.observe("target", len(rows), width, time.perf_counter() - started)
+    with target.alone() if alone else nullcontext():
+        logits = target.forward(ids, start[:, None].astype(np.int64) + np.arange(width)[None, :])
+    engine.costs.observe(TARGET_ALONE if alone else "target", len(rows), width, time.perf_counter() - started)
     new_lengths, results = start.copy(), []
     for i, (seq, proposal) in enumerate(zip(rows, proposals)):
         if seq.finished:
@@ -297,6 +311,8 @@ def settle_chain(engine: "LLMEngine", rows: list[SequenceState], plan: list[Roun
         if plan[i].kind != "sd" or outcomes[i] is None:
             continue
         accepted = outcomes[i][1]
+        if plan[i].family is not None:     # an adaptive SSD request the load policy runs in SD rounds
+            engine.yield_of(plan[i].family).observe_round(plan[i].settings.draft_len, "sd", accepted)
         kept = min(accepted, chain.drafted - 1)
         fed_pending = int(chain.fed[r]) - (chain.drafted - 1)
         lengths[r] = chain.start[r] + fed_pending + kept

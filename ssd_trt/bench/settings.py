@@ -4,7 +4,8 @@ decode speed scales with cores (memory bandwidth per core), so fairness must be 
 * paper-style: the target runs on one core in every mode; SSD adds its draft on a second core
   (as in the SSD paper, where SSD's draft gets an extra GPU). AR, SD and the baselines use one core.
 * equal total cores: every mode and baseline may use both cores. SSD splits them (target core 0,
-  draft core 1); AR, SD and the baselines run each model with two threads.
+  draft core 1; the target's steps while the draft idles use both, ``RuntimeOptions.target_alone_threads``);
+  AR, SD and the baselines run each model with two threads.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class Setting:
 
     def options(self, mode: str) -> RuntimeOptions:
         """Where the models of ``mode`` (ar | sd | ssd) run under this setting."""
-        if mode == "ssd":
-            return RuntimeOptions(target_threads=1, draft_threads=1, target_cores=(0,), draft_cores=(1,))
+        if mode == "ssd":   # paper-style: the target never leaves core 0, not even while the draft idles
+            return RuntimeOptions(target_threads=1, draft_threads=1, target_cores=(0,), draft_cores=(1,),
+                                  target_alone_threads=self.single_threads)
         cores = self.single_cores
         # AR runs one session, which may spin; SD's two sessions share the cores, so they must not
         return RuntimeOptions(target_threads=self.single_threads, draft_threads=self.single_threads,

@@ -15,9 +15,10 @@ Step-graph I/O (identical for every backend, names shared with the exported ONNX
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Protocol, Sequence
+from typing import ContextManager, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -54,9 +55,14 @@ class EngineSpec:
     max_context: int
 
 
-class FeatureIO:
-    """The feature-pair (EAGLE-3) members of every engine, plain by default; an engine whose step does more says
-    so by overriding them, so nothing probes for them.
+class EngineDefaults:
+    """The optional members of every engine, plain by default; an engine whose step does more says so by
+    overriding them, so nothing probes for them.
+
+    * :meth:`alone`: steps taken inside it may use the cores of a model that is idle meanwhile (the ONNX Runtime
+      target's second, wider session: ``engines/ort.py``); elsewhere they run as placed.
+
+    The feature-pair (EAGLE-3) members:
 
     * a target exported for a feature draft: ``has_features``, and after each step ``last_features`` [B, T, F]
       (the residual stream the draft reads; ``decoding/feature_relay.py`` hands it over);
@@ -74,9 +80,12 @@ class FeatureIO:
     def receive_target_features(self, row: int, first: int, features: np.ndarray) -> None:
         raise TypeError(f"{type(self).__name__} is no feature draft: it takes no target features")
 
+    def alone(self) -> ContextManager[None]:
+        return nullcontext()
+
 
 class Engine(Protocol):
-    """Every engine also has :class:`FeatureIO`'s members (backends and wrappers inherit its plain defaults)."""
+    """Every engine also has :class:`EngineDefaults`'s members (backends and wrappers inherit its plain defaults)."""
     spec: EngineSpec
     has_features: bool
     last_features: np.ndarray | None

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ssd_trt.engines.base import EngineSpec, FeatureIO, check_batch, check_keep, check_room, checked_rollback
+from ssd_trt.engines.base import EngineSpec, EngineDefaults, check_batch, check_keep, check_room, checked_rollback
 from ssd_trt.engines.cuda_graphs import GraphBucket, StepGraph, pad_step, plan_buckets, select_bucket
 from ssd_trt.engines.profiles import Profile, select_profile
 from ssd_trt.engines.rows import PaddedRows, check_order, reorder
@@ -108,7 +108,7 @@ class StepBuffers:
             tensor.copy_(torch.from_numpy(np.ascontiguousarray(host[name])), non_blocking=False)
 
 
-class DeviceStepEngine(FeatureIO):
+class DeviceStepEngine(EngineDefaults):
     """Engine interface (``engines/base.py``) over :meth:`_launch`, which subclasses implement.
 
     ``_launch(profile, buffers)`` must enqueue one step on the current stream: read

@@ -150,7 +150,8 @@ def _backend_engine(root: Path, manifest: Manifest, role: str, placement: ModelP
     from ssd_trt.engines.ort import OrtEngine
     return OrtEngine(Path(root) / role / "model.ort.onnx", spec, placement.threads, placement.cores,
                      spin=placement.spin,
-                     int8_activations=getattr(manifest.recipe, role).activations == "int8")
+                     int8_activations=getattr(manifest.recipe, role).activations == "int8",
+                     alone_threads=placement.alone_threads, alone_cores=placement.alone_cores)
 
 
 def feature_draft_engine(engine, root: Path) -> Engine:

@@ -8,25 +8,33 @@ and docs/weights.md: step time does not grow with unused capacity).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import ContextManager, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
 from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_META_ONE_TOKEN_TWICE, \
-    GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineSpec, FeatureIO, all_indices, check_room, checked_rollback, \
+    GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineSpec, EngineDefaults, all_indices, check_room, checked_rollback, \
     past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
 from ssd_trt.engines.rows import check_order
 
 
-class OrtEngine(FeatureIO):
+class OrtEngine(EngineDefaults):
     def __init__(self, onnx_path: Path, spec: EngineSpec, threads: int = 1,
-                 cores: Sequence[int] | None = None, spin: bool = True, int8_activations: bool = False) -> None:
+                 cores: Sequence[int] | None = None, spin: bool = True, int8_activations: bool = False,
+                 alone_threads: int = 1, alone_cores: Sequence[int] | None = None) -> None:
         """``spin=False`` stops idle intra-op threads from spin-waiting: needed when another session
         shares these cores (measured: SD with two 2-thread sessions on 2 cores, 27.7 -> 40.7 tok/s).
+        ``alone_threads`` > ``threads``: a second session of the same graph, with that many threads on
+        ``alone_cores``, runs the steps taken inside :meth:`alone` (while the other model is idle) on the same KV
+        buffers. Its logits are bit-identical (ONNX Runtime's CPU kernels split work across threads by rows and
+        heads, never inside a dot product; tests/test_embedded_pair.py), and on two cores a one-token step of the
+        embedded target costs 0.85x (batch 1) to 0.66x (batch 16) what it costs on one, a prefill 0.53-0.58x
+        (research/cpu/measure_alone.py, docs/bench/target_alone.json). Its weights are held twice.
         ``int8_activations``: block-quantized weights' fused MatMuls (MatMulNBits) quantize activations to
         int8 (accuracy level 4) instead of keeping them fp32 (level 1); no effect on a float graph.
 
@@ -46,6 +54,14 @@ class OrtEngine(FeatureIO):
         self.cores = tuple(cores) if cores else None
         options = _session_options(ort, threads, self.cores, spin, int8_activations)
         self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        self.alone_session = None
+        if alone_threads > threads:
+            wide = _session_options(ort, alone_threads, tuple(alone_cores) if alone_cores else None, spin,
+                                    int8_activations)
+            # its threads share the other model's cores: they stop spinning the moment a step is over
+            wide.add_session_config_entry("session.force_spinning_stop", "1")
+            self.alone_session = ort.InferenceSession(str(onnx_path), wide, providers=["CPUExecutionProvider"])
+        self._running_alone = False
         self.attends_twice = GRAPH_META_ONE_TOKEN_TWICE in self.session.get_modelmeta().custom_metadata_map
         self.pad_single_rows = int8_activations and not self.attends_twice
         scratch_slot = self.attends_twice or self.pad_single_rows
@@ -65,10 +81,21 @@ class OrtEngine(FeatureIO):
         self.warm_up()
 
     def warm_up(self) -> None:
-        """One tiny step so the first request does not pay ORT's first-run allocations (TTFT)."""
-        self.reset(1)
-        self.forward(np.zeros((1, 2), dtype=np.int64), np.arange(2)[None], extra=self._zero_extra(1, 2))
+        """One tiny step per session so the first request does not pay ORT's first-run allocations (TTFT)."""
+        for alone in (False, True) if self.alone_session is not None else (False,):
+            self.reset(1)
+            with self.alone() if alone else nullcontext():
+                self.forward(np.zeros((1, 2), dtype=np.int64), np.arange(2)[None], extra=self._zero_extra(1, 2))
         self.cache = None
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """Steps inside run on the wider session, when there is one (the caller vouches the other model is idle)."""
+        previous, self._running_alone = self._running_alone, self.alone_session is not None
+        try:
+            yield
+        finally:
+            self._running_alone = previous
 
     def _zero_extra(self, batch: int, tokens: int) -> dict[str, np.ndarray] | None:
         """Placeholder extra inputs of a feature draft's graph (every token carrying zero target features)."""
@@ -97,13 +124,13 @@ class OrtEngine(FeatureIO):
 
     def _binding_for(self, start: int, stop: int):
         """The IO binding of rows ``start .. stop-1``: each past buffer's slice bound as its present too
-        (written in place), made once per cache allocation and row range, so that a step rebinds only its small
+        (written in place), made once per cache allocation, row range and session, so that a step rebinds only its small
         inputs and its logits (no per-step work that scales with layers)."""
-        key = (start, stop)
+        key = (start, stop, self._running_alone)
         if key not in self._bindings:
             ortvalue = self._ort.OrtValue.ortvalue_from_numpy
             values = [ortvalue(buffer[start:stop]) for buffer in self.cache.buffers]   # leading axis: contiguous
-            binding = self.session.io_binding()
+            binding = (self.alone_session if self._running_alone else self.session).io_binding()
             for layer in range(self.spec.num_layers):
                 for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
                     binding.bind_ortvalue_input(past, values[2 * layer + kind])
@@ -175,7 +202,7 @@ class OrtEngine(FeatureIO):
         extra_output = GRAPH_OUTPUT_FEATURES if self.has_features else EAGLE3_OUTPUT_HIDDEN if self.has_hidden else None
         if extra_output:
             binding.bind_output(extra_output)
-        self.session.run_with_iobinding(binding)
+        (self.alone_session if self._running_alone else self.session).run_with_iobinding(binding)
         cache.lengths[start:stop] += num_new
         if extra_output:     # bound last, after the presents and the logits: the binding's last output
             value = binding.get_outputs()[-1].numpy()
@@ -192,7 +219,7 @@ class OrtEngine(FeatureIO):
         self.cache.keep(row, start, offsets)
 
 
-class OrtRows(FeatureIO):
+class OrtRows(EngineDefaults):
     """Rows ``start .. stop-1`` of an :class:`OrtEngine`'s batch as an engine of their own (``engines/rows.py``):
     its steps run those rows only, on their slice of the shared cache."""
 
@@ -207,6 +234,9 @@ class OrtRows(FeatureIO):
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
                 logit_indices: np.ndarray | None = None) -> np.ndarray:
         return self.parent.forward_rows(self.start, self.stop, input_ids, position_ids, tree_mask, logit_indices)
+
+    def alone(self) -> ContextManager[None]:
+        return self.parent.alone()
 
     def rollback(self, lengths: np.ndarray) -> None:
         cache = self.parent.cache

@@ -1,4 +1,5 @@
-"""Where one model runs on a CPU: which cores, how many ONNX Runtime threads, whether idle threads spin.
+"""Where one model runs on a CPU: which cores, how many ONNX Runtime threads, whether idle threads spin, and (the
+target) on which cores and threads its steps run while the other model is idle.
 
 (On a GPU the factory places the draft and the target itself: two GPUs, or two streams of one,
 ``device_step.place_draft_and_target``.)
@@ -14,3 +15,5 @@ class ModelPlacement:
     threads: int = 1
     spin: bool = True                      # spin-waiting pays only when the model has its cores to itself
     timeout_s: float = 60.0                # a call that takes longer is abandoned (the draft in SSD)
+    alone_cores: tuple[int, ...] | None = None     # steps taken while the other model is idle (Engine.alone)
+    alone_threads: int = 1                 # at most ``threads``: no such steps

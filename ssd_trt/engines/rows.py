@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.engines.base import FeatureIO, check_keep, checked_rollback
+from ssd_trt.engines.base import EngineDefaults, check_keep, checked_rollback
 
 
 def check_order(order: Sequence[int | None], batch: int) -> None:
@@ -34,7 +34,7 @@ def reorder(array: np.ndarray, order: Sequence[int | None], fill=0) -> np.ndarra
     return out
 
 
-class PaddedRows(FeatureIO):
+class PaddedRows(EngineDefaults):
     """Rows ``start .. stop-1`` of ``parent``: each step runs every row, the others fed one discarded token per
     new token (at their own next positions, rolled back at once), so no other row changes."""
 
@@ -66,6 +66,9 @@ class PaddedRows(FeatureIO):
         after[:self.start], after[self.stop:] = before[:self.start], before[self.stop:]
         self.parent.rollback(after)
         return logits[self.start:self.stop]
+
+    def alone(self):
+        return self.parent.alone()
 
     def rollback(self, lengths: np.ndarray) -> None:
         full = self.parent.lengths

@@ -13,11 +13,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.engines.base import EngineSpec, FeatureIO
+from ssd_trt.engines.base import EngineSpec, EngineDefaults
 from ssd_trt.engines.rows import reorder
 
 
-class TokenMirrorEngine(FeatureIO):
+class TokenMirrorEngine(EngineDefaults):
     """Base of the wrappers: ``inner`` is any engine; subclasses override ``forward`` and call
     :meth:`_record` after the inner step (with the cache lengths from before it). A wrapper presents the plain
     step (no extra inputs, no features of its own) and passes the target's features through to a feature
