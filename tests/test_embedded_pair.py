@@ -57,7 +57,10 @@ def test_ssd_cache_hit_rate_is_at_least_070_at_temperature_0(smollm2_build):
     from ssd_trt.bench.settings import PAPER_STYLE      # target core 0, draft core 1, as research/draft/measure_hit_rate.py
     gen = ssd_trt.load(smollm2_build, PAPER_STYLE.options("ssd"))
     params = ssd_trt.SamplingParams(max_new_tokens=64)
-    stats = [gen.generate_ids([gen.encode(p.prompt, chat=True)], params, mode="ssd")[0].stats
+    # K and B set: every round speculates (left unset, the load policy may run AR or SD rounds instead)
+    defaults = gen.decoding_defaults(params)
+    ssd = ssd_trt.SSD(draft_len=defaults.ssd_draft_len, fan_out_budget=defaults.ssd_fan_out_budget)
+    stats = [gen.generate_ids([gen.encode(p.prompt, chat=True)], params, mode=ssd)[0].stats
              for p in round_robin(108)]
     stats = [s for s in stats if s["cache_hit_rate"] is not None]
     assert len(stats) >= 100
@@ -71,8 +74,9 @@ def test_ssd_cache_hit_rate_is_at_least_070_at_temperature_0(smollm2_build):
 
 @pytest.mark.slow
 def test_generate_cli_reports_ssd_statistics(smollm2_build):
+    # K set: every round speculates (left unset, the load policy may find AR or SD rounds faster for this request)
     result = subprocess.run([sys.executable, "-m", "ssd_trt.generate", str(smollm2_build), "--mode", "ssd", "--json",
-                             "--chat", "--prompt", "Name three colours.", "--max-new-tokens", "16"],
+                             "--chat", "--prompt", "Name three colours.", "--max-new-tokens", "16", "--draft-len", "1"],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ssd_trt.engines.base import EngineSpec, EngineDefaults
+from ssd_trt.engines.base import EngineDefaults, EngineSpec
 
 
 class TrigramEngine(EngineDefaults):

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ssd_trt.engines.base import EngineSpec, EngineDefaults, check_batch, check_keep, check_room, checked_rollback
+from ssd_trt.engines.base import EngineDefaults, EngineSpec, check_batch, check_keep, check_room, checked_rollback
 from ssd_trt.engines.cuda_graphs import GraphBucket, StepGraph, pad_step, plan_buckets, select_bucket
 from ssd_trt.engines.profiles import Profile, select_profile
 from ssd_trt.engines.rows import PaddedRows, check_order, reorder

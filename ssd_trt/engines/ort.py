@@ -17,7 +17,7 @@ import numpy as np
 
 from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask
 from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_META_ONE_TOKEN_TWICE, \
-    GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineSpec, EngineDefaults, all_indices, check_room, checked_rollback, \
+    GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineDefaults, EngineSpec, all_indices, check_room, checked_rollback, \
     past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
 from ssd_trt.engines.rows import check_order

@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class PaddedRows(EngineDefaults):
         self.parent.rollback(after)
         return logits[self.start:self.stop]
 
-    def alone(self):
+    def alone(self) -> ContextManager[None]:
         return self.parent.alone()
 
     def rollback(self, lengths: np.ndarray) -> None:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.engines.base import EngineSpec, EngineDefaults
+from ssd_trt.engines.base import EngineDefaults, EngineSpec
 from ssd_trt.engines.rows import reorder
 
 
