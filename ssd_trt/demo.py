@@ -18,9 +18,11 @@ from ssd_trt.runtime import MODES
 HOW_TO_READ = (
     "How to read it: 'accepted' is draft tokens the target accepted per round (each round adds one more token of "
     "the target's own); 'cache hit' is how often SSD's pre-drafted speculation matched the verification outcome. "
-    "SSD runs the draft on its own core at the same time as the target, so it pays off when that core is free: on "
-    "a busy or 2-core machine SSD can land below SD. One prompt is noisy; `python -m ssd_trt.bench` compares the "
-    "modes side by side over a prompt set.")
+    "SSD runs the draft on its own core at the same time as the target; AR and SD leave that core to the target "
+    "whenever the draft is idle, so on a 2-core machine SSD can land below SD or AR. SSD runs the build's tuned K "
+    "and budget every round here; a request that leaves them unset adapts (it runs SD or AR rounds where the load "
+    "policy measures them faster). One prompt is noisy; `python -m ssd_trt.bench` compares the modes side by side "
+    "over a prompt set.")
 
 
 def cores(option: tuple[int, ...] | None, threads: int) -> str:
@@ -32,12 +34,19 @@ def number(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def target_placement(mode: str, options) -> str:
+    """AR's and SD's target steps run while the draft is idle: on the draft's cores too (Engine.alone)."""
+    if mode != "ssd" and options.alone_threads > options.target_threads:
+        return cores(options.alone_cores, options.alone_threads)
+    return cores(options.target_cores, options.target_threads)
+
+
 def draft_placement(mode: str, options) -> str:
-    """SSD's draft has its own thread and cores; SD's draft runs in turn with the target, on its thread."""
+    """SSD's draft works beside the target; SD's in turn with it (on the draft's worker thread either way)."""
     if mode == "ar":
         return "-"
     if mode == "sd":
-        return cores(options.target_cores, options.draft_threads) + " (in turn with the target)"
+        return cores(options.draft_cores, options.draft_threads) + " (in turn with the target)"
     return cores(options.draft_cores, options.draft_threads)
 
 
@@ -50,7 +59,7 @@ def summary_table(rows: list[tuple[str, dict]], options) -> str:
                       number(stats.get("cache_hit_rate"), ".2f"),
                       number(None if stats.get("draft_latency_s") is None else 1e3 * stats["draft_latency_s"], ".1f"),
                       number(None if stats.get("verify_latency_s") is None else 1e3 * stats["verify_latency_s"], ".1f"),
-                      cores(options.target_cores, options.target_threads), draft_placement(mode, options)))
+                      target_placement(mode, options), draft_placement(mode, options)))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
@@ -77,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             print(f"== mode {mode} ==", flush=True)
             printer = TextPrinter(generator.tokenizer)
-            [result] = generator.generate(args.prompt, params, mode=mode, chat=not args.no_chat, on_tokens=printer)
+            settings = generator.resolve(mode, params).settings      # K and budget set: SSD speculates every round
+            [result] = generator.generate(args.prompt, params, mode=settings, chat=not args.no_chat,
+                                          on_tokens=printer)
             printer.finish(result.text)
             rows.append((mode, result.stats))
     except SsdTrtError as error:
