@@ -76,7 +76,11 @@ class RuntimeOptions:
         if self.target_alone_threads is not None:
             return max(self.target_alone_threads, self.target_threads)
         cores = self.alone_cores
-        return len(cores) if cores is not None else self.target_threads + self.draft_threads
+        if cores is not None:
+            return len(cores)
+        # left to the OS: both models' threads, but no more than this process may run on at once
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(self.target_threads, min(self.target_threads + self.draft_threads, available))
 
     def placement(self, role: str) -> ModelPlacement:
         """Where ``role`` (target | draft) runs."""

@@ -27,7 +27,9 @@ class Setting:
 
     def options(self, mode: str) -> RuntimeOptions:
         """Where the models of ``mode`` (ar | sd | ssd) run under this setting."""
-        if mode == "ssd":   # paper-style: the target never leaves core 0, not even while the draft idles
+        # SSD: while the draft idles the target may use what the setting gives one model alone (paper-style: its
+        # one core, never the draft's)
+        if mode == "ssd":
             return RuntimeOptions(target_threads=1, draft_threads=1, target_cores=(0,), draft_cores=(1,),
                                   target_alone_threads=self.single_threads)
         cores = self.single_cores
