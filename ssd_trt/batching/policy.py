@@ -31,6 +31,11 @@ PRIOR_HIT_RATE = 0.7
 TARGET_ALONE = "target alone"     # the cost curve of target steps taken while the draft is idle (Engine.alone)
 
 
+def running_average(old: float | None, new: float) -> float:
+    """The exponential running average after ``new`` (``new`` itself as the first value)."""
+    return new if old is None else (1 - EMA) * old + EMA * new
+
+
 @dataclass
 class CostCurves:
     """Seconds per engine step, by (role, rows, tokens per row): timed on the idle engines (:func:`calibrate`),
@@ -54,8 +59,7 @@ class CostCurves:
 
     def observe(self, role: str, rows: int, tokens: int, seconds: float) -> None:
         key = (role, rows, tokens)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.seconds[key] = running_average(self.seconds.get(key), seconds)
 
     def calibrate(self, engine, role: str, rows: list[int], token_counts: list[int]) -> None:
         """Time ``engine`` (idle: it is reset) at every (rows, tokens) pair not measured yet."""
@@ -76,11 +80,10 @@ class Yield:
 
     def observe_round(self, draft_len: int, source: str, accepted: int) -> None:
         key = (draft_len, "primary" if source == "primary" else source)
-        old = self.accepted.get(key)
-        self.accepted[key] = accepted if old is None else (1 - EMA) * old + EMA * accepted
+        self.accepted[key] = running_average(self.accepted.get(key), accepted)
 
     def observe_lookup(self, hit: bool) -> None:
-        self.hit_rate = float(hit) if self.hit_rate is None else (1 - EMA) * self.hit_rate + EMA * float(hit)
+        self.hit_rate = running_average(self.hit_rate, float(hit))
 
     def acceptance(self, draft_len: int, source: str) -> float:
         measured = self.accepted.get((draft_len, source))
@@ -192,8 +195,8 @@ class LoadPolicy:
         candidates = options(settings, batch, costs, measured)
         scores = {}
         for name, (_, estimate) in candidates.items():
-            rate = self.rates.get((bucket, name))
-            scores[name] = rate.per_second if rate is not None and rate.rounds >= self.MEASURED_AFTER else estimate
+            measured_enough = self.measured_rounds(bucket, name) >= self.MEASURED_AFTER
+            scores[name] = self.rates[(bucket, name)].per_second if measured_enough else estimate
         ranked = sorted(scores, key=lambda name: -scores[name])
         count = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         name = ranked[0]
@@ -239,8 +242,7 @@ class LoadPolicy:
             self.rates.setdefault((bucket, name), Rate()).observe(tokens, seconds)
         elif rate is not None:              # (a first round after a switch has nothing to be compared with)
             extra = seconds - rate.seconds
-            old = self.switch_s.get(bucket)
-            self.switch_s[bucket] = extra if old is None else (1 - EMA) * old + EMA * extra
+            self.switch_s[bucket] = running_average(self.switch_s.get(bucket), extra)
 
     def describe(self) -> dict:
         return {f"{bucket} {name}": round(rate.per_second, 1) for (bucket, name), rate in sorted(self.rates.items())}

@@ -97,6 +97,10 @@ class OrtEngine(EngineDefaults):
         finally:
             self._running_alone = previous
 
+    def _active_session(self):
+        """The session a step runs on now: the wider one inside :meth:`alone`."""
+        return self.alone_session if self._running_alone else self.session
+
     def _zero_extra(self, batch: int, tokens: int) -> dict[str, np.ndarray] | None:
         """Placeholder extra inputs of a feature draft's graph (every token carrying zero target features)."""
         if not self.extra_inputs:
@@ -130,7 +134,7 @@ class OrtEngine(EngineDefaults):
         if key not in self._bindings:
             ortvalue = self._ort.OrtValue.ortvalue_from_numpy
             values = [ortvalue(buffer[start:stop]) for buffer in self.cache.buffers]   # leading axis: contiguous
-            binding = (self.alone_session if self._running_alone else self.session).io_binding()
+            binding = self._active_session().io_binding()
             for layer in range(self.spec.num_layers):
                 for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer))):
                     binding.bind_ortvalue_input(past, values[2 * layer + kind])
@@ -202,7 +206,7 @@ class OrtEngine(EngineDefaults):
         extra_output = GRAPH_OUTPUT_FEATURES if self.has_features else EAGLE3_OUTPUT_HIDDEN if self.has_hidden else None
         if extra_output:
             binding.bind_output(extra_output)
-        (self.alone_session if self._running_alone else self.session).run_with_iobinding(binding)
+        self._active_session().run_with_iobinding(binding)
         cache.lengths[start:stop] += num_new
         if extra_output:     # bound last, after the presents and the logits: the binding's last output
             value = binding.get_outputs()[-1].numpy()
