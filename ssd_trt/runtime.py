@@ -13,13 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
-
-import numpy as np
+from typing import Any, Callable, Sequence
 
 from ssd_trt.batching.engine import LLMEngine
 from ssd_trt.batching.policy import CostCurves
-from ssd_trt.decoding.batch import Sequences, TokenCallback
 from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.modes import strategy_for
 from ssd_trt.decoding.params import SamplingParams
@@ -32,6 +29,8 @@ from ssd_trt.errors import ArtifactError, Cancelled, EngineError, SsdTrtError
 from ssd_trt.manifest import ROLES, read_manifest, verify_artifacts
 from ssd_trt.options import BACKENDS, RuntimeOptions
 from ssd_trt.requests import check_request, encode_prompt
+
+TokenCallback = Callable[[int, list[int]], None]   # (row, newly committed token ids)
 
 __all__ = ["BACKENDS", "DEFAULT_MODE", "MODES", "GenerationResult", "Generator", "RuntimeOptions", "load"]
 
@@ -60,6 +59,7 @@ class Generator:
             raise ArtifactError(f"tokenizer in {self.root / 'tokenizer'} cannot be loaded ({exc}); rebuild") from None
         self.engines = EngineSet(self.root, self.manifest, {role: self.options.placement(role) for role in ROLES},
                                  self.options.backend, self.options.draft_copy)
+        self.vocab_size = self.manifest.model("target").config.vocab_size
         eos = self.manifest.model("target").config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # what the engine step's SSD load policy learns, kept across requests (each generate() runs its own step
@@ -95,8 +95,7 @@ class Generator:
         resolved."""
         # (bad params are refused by check_request, with the request's other checks)
         resolved = self.resolve(mode, params if isinstance(params, SamplingParams) else None)
-        vocab = self.manifest.model("target").config.vocab_size
-        return check_request(self.limits, vocab, prompt_ids, params, resolved), resolved
+        return check_request(self.limits, self.vocab_size, prompt_ids, params, resolved), resolved
 
     def generate(self, prompts: str | bytes | Sequence[str | bytes], params: SamplingParams | None = None,
                  mode: "str | Settings" = DEFAULT_MODE, chat: bool = False,
@@ -119,8 +118,6 @@ class Generator:
         """
         params = SamplingParams() if params is None else params
         prompt_ids, resolved = self.check_request(prompt_ids, params, mode)
-        if not self.steps(resolved):
-            return self._generate_one_batch(prompt_ids, params, resolved, on_tokens)
         engine = LLMEngine(self)
         failures: list[BaseException] = []
         callback = _guarded(on_tokens, failures) if on_tokens else None
@@ -157,52 +154,18 @@ class Generator:
         if cancelled:                            # the result holds what the callback was shown
             for seq, count in zip(seqs, shown):
                 seq.tokens, seq.text_end = seq.tokens[:count], None
-        stats = batch_stats(seqs, resolved, engine.metrics, started)
+        stats = batch_stats(seqs, resolved, engine, started)
         if cancelled:
             stats["cancelled"] = True
         return [GenerationResult(seq.text(lambda t: self.tokenizer.decode(t, skip_special_tokens=True)), seq.tokens,
                                  {**stats, "row_tokens": len(seq.tokens), "finish_reason": seq.finish_reason})
                 for seq in seqs]
 
-    def steps(self, resolved: ResolvedMode) -> bool:
-        """Whether the engine step runs this mode: all but SD's token tree and a draft fed the target's features
-        (EAGLE-3), which run as one batch (``_generate_one_batch``)."""
-        if resolved.name == "sd" and resolved.settings.tree_widths:
-            return False
-        return resolved.name == "ar" or not self.engines.get("draft").takes_target_features
 
-    def _generate_one_batch(self, prompt_ids: list[list[int]], params: SamplingParams, resolved: ResolvedMode,
-                            on_tokens: TokenCallback | None) -> list[GenerationResult]:
-        """One batch decoded together from start to end by the mode's own loop (SD trees, feature drafts)."""
-        strategy, _ = strategy_for(resolved.settings)
-        engines = {role: self.engines.get(role) for role in strategy.roles}   # opened before TTFT starts
-        failures: list[BaseException] = []
-        seqs = Sequences(params, self.eos_ids, len(prompt_ids), _guarded(on_tokens, failures) if on_tokens else None)
-        stats: dict = {}
-        try:
-            with pinned(self.options.target_cores):
-                stats = strategy.run(engines, prompt_ids, seqs, np.random.default_rng(params.seed), resolved,
-                                     self.engines.placements)
-        except Cancelled:
-            stats = {"mode": resolved.name, "cancelled": True}
-        except SsdTrtError:
-            raise
-        except Exception as exc:
-            failure = _engine_failure(exc, failures, resolved.name)
-            if failure is exc:
-                raise
-            raise failure from exc
-        finally:
-            self.engines.free_slots()
-            if stats.get("draft_failures"):   # the failed draft may still be running (a hang): never reuse it
-                self.engines.retire("draft")
-        stats = {**seqs.timing_stats(), **stats}
-        return [GenerationResult(self.tokenizer.decode(tokens, skip_special_tokens=True), tokens,
-                                 {**stats, "row_tokens": len(tokens)}) for tokens in seqs.tokens]
-
-
-def batch_stats(seqs, resolved: ResolvedMode, metrics, started: float) -> dict:
-    """One ``generate`` call's statistics: round totals over its requests, the engine's timings, throughput."""
+def batch_stats(seqs, resolved: ResolvedMode, engine: LLMEngine, started: float) -> dict:
+    """One ``generate`` call's statistics: round totals over its requests, the engine's timings, throughput, and
+    for SSD the fan-out shapes it learned."""
+    metrics = engine.metrics
     elapsed = time.perf_counter() - started
     total = sum(len(seq.tokens) for seq in seqs)
     firsts = [seq.first_token_at for seq in seqs if seq.first_token_at is not None]
@@ -217,6 +180,7 @@ def batch_stats(seqs, resolved: ResolvedMode, metrics, started: float) -> dict:
         stats.update(overlap_summary(metrics.timeline))
         stats["timeline"] = metrics.timeline
         stats["policy"] = metrics.last_choice
+        stats["fan_out"] = engine.fan_out(resolved.settings)
     return {"generated_tokens": total, "elapsed_s": elapsed, "tokens_per_s": total / elapsed if elapsed > 0 else None,
             "ttft_s": min(firsts) - started if firsts else None, **stats}
 

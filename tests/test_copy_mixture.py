@@ -17,7 +17,7 @@ from ssd_trt.decoding.sampling import softmax
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine
 from ssd_trt.errors import ArtifactError
 from tests.helpers import random_decoder, save_hf_checkpoint, tiny_config
-from tests.test_sampling_lossless import DRAFT, PROMPT, ROWS, TARGET, assert_lossless
+from tests.test_sampling_lossless import DRAFT, assert_lossless
 from tests.trigram import TrigramEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,23 +93,12 @@ def test_engine_tracks_contexts_through_ragged_tree_rollback_and_keep():
     check(got, inner, {(r, 0): kept[r] + [int(step[r, 0])] for r in range(2)})
 
 
-def wrapped_engines():
-    return TrigramEngine(TARGET, name="target"), CopyMixtureEngine(TrigramEngine(DRAFT, name="draft"), STRONG)
-
-
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_sampling_with_the_copy_component_is_lossless(mode):
-    from ssd_trt.decoding.saguaro import generate_saguaro
-    from ssd_trt.decoding.settings import SSD
-    from ssd_trt.decoding.speculative import generate_speculative
+    from ssd_trt.decoding.settings import SD, SSD
 
-    def strategy(seqs, rng):
-        target, draft = wrapped_engines()
-        if mode == "sd":
-            return generate_speculative(target, draft, [PROMPT] * ROWS, seqs, rng, draft_len=2)
-        return generate_saguaro(target, draft, [PROMPT] * ROWS, seqs, rng,
-                                SSD(draft_len=2, fan_out_budget=4, backup="jit"))
-    assert_lossless(strategy, 1.0)
+    settings = SD(draft_len=2) if mode == "sd" else SSD(draft_len=2, fan_out_budget=4, backup="jit")
+    assert_lossless(settings, 1.0, draft=lambda: CopyMixtureEngine(TrigramEngine(DRAFT, name="draft"), STRONG))
 
 
 def test_the_copy_component_changes_the_draft():

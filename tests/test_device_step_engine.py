@@ -12,20 +12,17 @@ import pytest
 import torch
 
 import ssd_trt
-from ssd_trt.decoding.autoregressive import generate_autoregressive
-from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.saguaro import generate_saguaro
-from ssd_trt.decoding.settings import SSD
-from ssd_trt.decoding.speculative import generate_speculative
+from ssd_trt.decoding.settings import AR, SD, SSD
 from tests.step_script import step_script
 from ssd_trt.engines.torch_device import TorchDeviceEngine
 from ssd_trt.engines.availability import probe_cuda
 from ssd_trt.engines.limits import EngineLimits
+from ssd_trt.engine_generator import GeneratorOverEngines
 from tests.helpers import perturbed, random_decoder, tiny_config
 
 HAS_CUDA, CUDA_REASON = probe_cuda()
-LIMITS = EngineLimits(max_batch=4, max_context=128, max_draft_len=3, max_tree_size=8)
+LIMITS = EngineLimits(max_batch=4, max_context=128, max_draft_len=3, max_tree_size=32)
 PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 3], [1, 42, 42, 42, 42, 8, 19]]
 
 
@@ -38,19 +35,11 @@ def test_step_script_matches_the_onnx_runtime_engine(tiny_pairs):
 
 
 def greedy_runs(target, draft, prompts, new_tokens: int) -> dict[str, list[list[int]]]:
+    """Each mode's greedy tokens through the runtime's engine step over these engines."""
+    gen = GeneratorOverEngines(lambda: target, lambda: draft, LIMITS, eos_ids=frozenset({2}))
     params = SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False)
-    outputs = {}
-    for mode in ("ar", "sd", "ssd"):
-        seqs = Sequences(params, frozenset({2}), len(prompts))
-        rng = np.random.default_rng(0)
-        if mode == "ar":
-            generate_autoregressive(target, prompts, seqs, rng)
-        elif mode == "sd":
-            generate_speculative(target, draft, prompts, seqs, rng, draft_len=3)
-        else:
-            generate_saguaro(target, draft, prompts, seqs, rng, SSD(draft_len=3, fan_out_budget=8))
-        outputs[mode] = seqs.tokens
-    return outputs
+    return {name: [r.token_ids for r in gen.generate_ids(prompts, params, mode=mode)]
+            for name, mode in (("ar", AR()), ("sd", SD(draft_len=3)), ("ssd", SSD(draft_len=3, fan_out_budget=8)))}
 
 
 def test_greedy_sd_and_ssd_on_this_engine_equal_autoregressive():

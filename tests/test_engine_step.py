@@ -53,6 +53,8 @@ MIXES = {
     "ar": [AR()] * 8, "sd": [SD(draft_len=2)] * 8, "ssd": ["ssd"] * 8,
     "mixed": [AR(), "ssd", SD(draft_len=3), SSD(draft_len=2, fan_out_budget=6), "sd", AR(), "ssd",
               SSD(draft_len=1, backup="ngram")],
+    "trees": [SD(tree_widths=(2, 2, 1)), AR(), SD(tree_widths=(3, 1)), "ssd", SD(draft_len=2),
+              SD(tree_widths=(2, 2, 1)), "sd", SSD(draft_len=2, fan_out_budget=6)],
 }
 
 
@@ -138,11 +140,11 @@ def test_admission_is_bounded_by_the_kv_budget(gen, encoded):
 
 # SSD's backup is set: "auto" picks prompt lookup at a larger live batch, and a different (still exact)
 # proposal draws differently
-SEEDED = [AR(), SD(draft_len=2), SSD(draft_len=1, fan_out_budget=4, backup="jit"),
+SEEDED = [AR(), SD(draft_len=2), SD(tree_widths=(2, 2)), SSD(draft_len=1, fan_out_budget=4, backup="jit"),
           SSD(draft_len=2, fan_out_budget=6, backup="jit")]
 
 
-@pytest.mark.parametrize("mode", SEEDED, ids=["ar", "sd", "ssd-k1", "ssd-k2"])
+@pytest.mark.parametrize("mode", SEEDED, ids=["ar", "sd", "sd-tree", "ssd-k1", "ssd-k2"])
 def test_a_seeded_sampled_request_gives_the_same_tokens_alone_or_batched(gen, encoded, mode):
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.95, seed=11)
     alone = LLMEngine(gen)

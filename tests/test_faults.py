@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 import ssd_trt
-from ssd_trt.decoding.batch import Sequences
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.saguaro import generate_saguaro
 from ssd_trt.decoding.settings import AR, SD, SSD
 from ssd_trt.engines.base import EngineDefaults
 from ssd_trt.errors import Cancelled, EngineError
@@ -216,13 +214,19 @@ def test_a_draft_hung_for_long_does_not_hold_the_request(gen, reference, inject)
     assert elapsed < 3.0, f"request took {elapsed:.1f} s with draft_timeout_s 0.3"
 
 
-def test_draft_failure_in_plain_speculative_mode_finishes_the_request_exactly(gen, reference, inject):
-    """SD, too, finishes without the draft (the engine step runs its rows as AR rounds from then on)."""
-    inject("draft", "crash", at=2)
-    results = gen.generate_ids(PROMPTS, GREEDY, mode=SD_K)
+@pytest.mark.parametrize("mode", [SD_K, SD(tree_widths=(2, 2, 1))], ids=["chain", "tree"])
+@pytest.mark.parametrize("fault,at,message", [("crash", 2, "InjectedFault: injected crash"),
+                                              ("wide", 2, "ValueError"), ("short", 1, "Error")])
+def test_draft_failure_in_plain_speculative_mode_finishes_the_request_exactly(gen, reference, inject, mode, fault,
+                                                                              at, message):
+    """SD, too, finishes without the draft (the engine step runs its rows as AR rounds from then on), whether the
+    draft raises or proposes tokens the target does not have (``wide`` at the chain's and the tree's last,
+    unfed draws: refused before the target sees them)."""
+    inject("draft", fault, at=at, once=fault == "wide")
+    results = gen.generate_ids(PROMPTS, GREEDY, mode=mode)
     assert [r.token_ids for r in results] == reference
     assert results[0].stats["fallback"] == "autoregressive (draft failed)"
-    assert "InjectedFault: injected crash" in results[0].stats["draft_failures"][0]
+    assert message in results[0].stats["draft_failures"][0]
     assert_no_slots_held(gen)
 
 
@@ -277,35 +281,24 @@ def test_a_failing_callback_raises_its_own_exception(gen):
 
 # -- sampling: a draft failing mid-request keeps the output distribution exact ------------------------
 def test_sampling_stays_lossless_when_the_draft_fails_mid_request():
-    from tests.test_sampling_lossless import DRAFT, PROMPT, ROWS, TARGET, assert_lossless
+    from tests.test_sampling_lossless import DRAFT, assert_lossless
     from tests.trigram import TrigramEngine
 
-    failures = []
-
-    def strategy(seqs, rng):
-        draft = FaultyEngine(TrigramEngine(DRAFT, name="draft"), "crash", at=4)   # in the first tree round
-        stats = generate_saguaro(TrigramEngine(TARGET, name="target"), draft, [PROMPT] * ROWS, seqs, rng,
-                                 SSD(draft_len=2, fan_out_budget=4, backup="jit"))
-        failures.append(stats["draft_failures"])
-        return stats
-
-    assert_lossless(strategy, 1.0)
-    assert all(failures)
+    # every request's draft fails at its fifth step (its first speculation; a fresh draft for each request)
+    stats = assert_lossless(SSD(draft_len=2, fan_out_budget=4, backup="jit"), 1.0,
+                            draft=lambda: FaultyEngine(TrigramEngine(DRAFT, name="draft"), "crash", at=4))
+    assert all(s["draft_failures"] for s in stats)
 
 
 def test_fallback_matches_autoregressive_on_the_exact_model():
-    from tests.trigram import TrigramEngine, random_log_table
+    from tests.trigram import TrigramEngine, TrigramGenerator, random_log_table
 
     table = random_log_table(7, seed=3)
     params = SamplingParams(max_new_tokens=12, stop_on_eos=False)
     prompts = [[0, 1], [2, 3, 4], [5]]
-    ar = Sequences(params, frozenset(), len(prompts))
-    from ssd_trt.decoding.autoregressive import generate_autoregressive
-    generate_autoregressive(TrigramEngine(table), prompts, ar, np.random.default_rng(0))
+    reference = [r.token_ids for r in TrigramGenerator(table).generate_ids(prompts, params, mode="ar")]
     for at in range(0, 12, 2):
-        seqs = Sequences(params, frozenset(), len(prompts))
-        draft = FaultyEngine(TrigramEngine(random_log_table(7, seed=4)), "crash", at=at)
-        stats = generate_saguaro(TrigramEngine(table), draft, prompts, seqs, np.random.default_rng(0),
-                                 SSD(draft_len=2, fan_out_budget=4))
-        assert seqs.tokens == ar.tokens, at
-        assert stats["draft_failures"], at
+        gen = TrigramGenerator(table, lambda: FaultyEngine(TrigramEngine(random_log_table(7, seed=4)), "crash", at=at))
+        results = gen.generate_ids(prompts, params, mode=SSD(draft_len=2, fan_out_budget=4))
+        assert [r.token_ids for r in results] == reference, at
+        assert results[0].stats["draft_failures"], at

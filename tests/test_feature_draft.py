@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 import ssd_trt
 from plugins.tree_attention.reference import causal_tree_mask
-from ssd_trt.decoding import speculative as speculative_module
+from ssd_trt.batching import round as round_module
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.engines.feature_draft import FeatureDraftEngine
 from ssd_trt import SD, SSD
@@ -159,18 +159,20 @@ def reference_proposals(target, draft, committed: list[int], count: int) -> list
     return proposals
 
 
-def record_sd_rounds(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """(committed tokens, the draft's K proposals) of every SD chain round (batch 1)."""
+def record_sd_rounds(monkeypatch, every_row: bool = False) -> list[tuple[list[int], list[int]]]:
+    """(committed tokens, the draft's K proposals) of every chain draft loop's first row (``every_row``: of each
+    row it fed: greedy rows it did not draft for take the argmax too, so they show the same computation)."""
     rounds = []
-    original = speculative_module.draft_chain
+    original = round_module.draft_tokens
 
-    def recording(draft, pending, num_tokens, params, rng):
-        committed = [int(t) for t in draft.cached_tokens(0)] + list(pending[0])
-        tokens, dists = original(draft, pending, num_tokens, params, rng)
-        rounds.append((committed, [int(t) for t in tokens[0]]))
+    def recording(draft, pending, num_tokens, draw):
+        committed = [[int(t) for t in draft.cached_tokens(r)] + list(pending[r]) for r in range(len(pending))]
+        tokens, dists = original(draft, pending, num_tokens, draw)
+        for r in range(len(pending) if every_row else 1):
+            rounds.append((committed[r], [int(t) for t in tokens[r]]))
         return tokens, dists
 
-    monkeypatch.setattr(speculative_module, "draft_chain", recording)
+    monkeypatch.setattr(round_module, "draft_tokens", recording)
     return rounds
 
 
@@ -197,6 +199,35 @@ def test_sd_proposals_are_the_drafts_with_the_targets_features_of_verified_token
         assert not mismatched, f"{len(mismatched)} of {len(rounds)} rounds differ, first: {mismatched[0]}"
 
 
+def test_the_engine_step_relays_features_to_requests_that_join_leave_and_change_kind(feature_pair, monkeypatch):
+    """Requests of every kind join and leave an engine step over the feature pair (their draft rows move, new
+    ones start mid-run, an adaptive SSD request may pause its draft and resume it): every request's tokens are
+    AR's, and every proposal of every draft loop is what the torch draft gives with the target's features of
+    every verified token (each request's features are kept, and handed to its draft row whenever it lacks them).
+    """
+    from ssd_trt.batching.engine import LLMEngine
+    build, target, draft = feature_pair
+    gen = ssd_trt.load(build)
+    reference = [r.token_ids for r in gen.generate_ids(PROMPTS, GREEDY, mode="ar")]
+    rounds = record_sd_rounds(monkeypatch, every_row=True)
+    modes = [SD(draft_len=3), "ssd", SSD(draft_len=2, backup="jit", fan_out_budget=6), "ar",
+             SD(draft_len=2, tree_widths=(2, 2, 1)), SD(draft_len=2), "ssd", SSD(draft_len=3, backup="ngram")]
+    schedule = {0: [0, 1], 2: [2, 3, 4], 9: [5, 6], 14: [7]}
+    engine = LLMEngine(gen)
+    step = 0
+    while engine.has_unfinished() or step <= max(schedule):
+        for i in schedule.get(step, []):
+            engine.add_request(PROMPTS[i], GREEDY, modes[i], request_id=str(i))
+        engine.step()
+        step += 1
+    for i in range(len(PROMPTS)):
+        assert engine.take_result(str(i)).tokens == reference[i], (i, modes[i])
+    engine.close()
+    assert len(rounds) > 40
+    mismatched = [r for r in rounds if reference_proposals(target, draft, r[0], len(r[1])) != r[1]]
+    assert not mismatched, f"{len(mismatched)} of {len(rounds)} proposals differ, first: {mismatched[0]}"
+
+
 def test_ssd_feeds_target_features_for_verified_tokens_and_its_own_otherwise(feature_pair, monkeypatch):
     """Every token of every SSD draft step: carrying the target's features means carrying exactly the torch
     target's features of its predecessor on the committed sequence; both kinds occur; with the jit backup every
@@ -204,14 +235,14 @@ def test_ssd_feeds_target_features_for_verified_tokens_and_its_own_otherwise(fea
     from ssd_trt.engines.ort import OrtEngine
     build, target, _ = feature_pair
     steps = []
-    original = OrtEngine.forward
+    original = OrtEngine.forward_rows
 
-    def recording(self, input_ids, position_ids, tree_mask=None, logit_indices=None, extra=None):
+    def recording(self, start, stop, input_ids, position_ids, tree_mask=None, logit_indices=None, extra=None):
         if extra is not None:
             steps.append((position_ids.copy(), {k: v.copy() for k, v in extra.items()}))
-        return original(self, input_ids, position_ids, tree_mask, logit_indices, extra)
+        return original(self, start, stop, input_ids, position_ids, tree_mask, logit_indices, extra)
 
-    monkeypatch.setattr(OrtEngine, "forward", recording)
+    monkeypatch.setattr(OrtEngine, "forward_rows", recording)
     for backup, fallbacks_expected in (("jit", False), ("ngram", True)):
         gen = ssd_trt.load(build)
         gen.engine("draft")                  # opened (and warmed up with a placeholder step) before recording

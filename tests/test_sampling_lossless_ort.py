@@ -85,13 +85,18 @@ def check(joint: dict, samples: list) -> list[tuple[str, float, float]]:
     return out
 
 
-CASES = [AR(), SD(draft_len=3), SSD(draft_len=2, backup="jit", fan_out_budget=8),
+CASES = [AR(), SD(draft_len=3), SD(tree_widths=(2, 2)), SSD(draft_len=2, backup="jit", fan_out_budget=8),
          SSD(draft_len=2, backup="ngram", fan_out_budget=8, saguaro_c=0.5)]
+
+
+def drafted_per_round(mode: Settings) -> int:
+    """Tokens a round can accept: K, or a tree's depth."""
+    return len(mode.tree_widths) if getattr(mode, "tree_widths", None) else mode.draft_len
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-@pytest.mark.parametrize("mode", CASES, ids=["ar", "sd", "ssd-jit", "ssd-ngram-c0.5"])
+@pytest.mark.parametrize("mode", CASES, ids=["ar", "sd", "sd-tree", "ssd-jit", "ssd-ngram-c0.5"])
 def test_first_two_tokens_follow_the_target_distribution_through_onnx_runtime(pair, setting, mode):
     build, target = pair
     params = SETTINGS[setting]
@@ -102,7 +107,7 @@ def test_first_two_tokens_follow_the_target_distribution_through_onnx_runtime(pa
         assert tv < threshold, f"{mode.name} {setting} {what}: TV {tv:.4f} >= {threshold:.4f}"
     if mode.name != "ar":      # the draft did real work: some of its tokens were accepted, some rejected
         accepted = np.mean([s["mean_accepted"] for s in stats])
-        assert 0.1 < accepted < mode.draft_len, accepted
+        assert 0.1 < accepted < drafted_per_round(mode), accepted
 
 
 @pytest.mark.slow
@@ -127,14 +132,15 @@ def test_heterogeneous_requests_batched_in_the_engine_step_each_follow_their_dis
     from ssd_trt.batching.engine import LLMEngine
     build, target = pair
     gen = ssd_trt.load(build)
-    modes = {"ar": AR(), "sd": SD(draft_len=3), "ssd": SSD(draft_len=2, backup="jit", fan_out_budget=8)}
+    modes = {"ar": AR(), "sd": SD(draft_len=3), "sd-tree": SD(tree_widths=(2, 2)),
+             "ssd": SSD(draft_len=2, backup="jit", fan_out_budget=8)}
     groups = [(m, s) for m in sorted(modes) for s in sorted(SETTINGS)]
     samples: dict[tuple[str, str], list] = {g: [] for g in groups}
     for call in range(CALLS // 2):
         engine = LLMEngine(gen)
         for filler in range(4):      # greedy requests still running when the second wave joins
             engine.add_request(PROMPT, ssd_trt.SamplingParams(max_new_tokens=6, stop_on_eos=False),
-                               modes[sorted(modes)[filler % 3]])
+                               modes[sorted(modes)[filler % len(modes)]])
         ids = {}
         for wave in range(2):
             for r in range(ROWS // 2 - 2):
@@ -155,7 +161,7 @@ def test_heterogeneous_requests_batched_in_the_engine_step_each_follow_their_dis
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [CASES[1], CASES[2]], ids=["sd", "ssd-jit"])
+@pytest.mark.parametrize("mode", [CASES[1], CASES[3]], ids=["sd", "ssd-jit"])
 def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch, mode):
     build, target = pair
     params = SETTINGS["t0.7-p0.9"]     # at T=1 top-k 50 the 2,500-outcome noise floor hides a bias this size

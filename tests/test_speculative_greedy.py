@@ -42,18 +42,15 @@ def test_greedy_speculative_equals_autoregressive(tiny_pairs, pair, batch, mode)
 
 @pytest.mark.parametrize("widths", [[2, 2, 1], [3, 1, 1, 1]])
 def test_greedy_tree_verification_equals_autoregressive(tiny_pairs, widths):
-    from ssd_trt.decoding.batch import Sequences
-    from ssd_trt.decoding.speculative_tree import generate_tree_speculative
+    from ssd_trt.decoding.settings import SD
 
     gen = ssd_trt.load(tiny_pairs["perturbed"])
     params = SamplingParams(max_new_tokens=40, stop_on_eos=False)
     for prompts in batches(4):
         reference = [r.token_ids for r in gen.generate_ids(prompts, params, mode="ar")]
-        seqs = Sequences(params, gen.eos_ids, len(prompts))
-        stats = generate_tree_speculative(gen.engine("target"), gen.engine("draft"), prompts, seqs,
-                                          np.random.default_rng(0), widths)
-        assert seqs.tokens == reference
-        assert stats["mean_accepted"] > 0
+        results = gen.generate_ids(prompts, params, mode=SD(tree_widths=tuple(widths)))
+        assert [r.token_ids for r in results] == reference
+        assert results[0].stats["mean_accepted"] > 0
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])

@@ -2,14 +2,20 @@
 
 The logits after token x_i are log p(. | x_{i-1}, x_i), where x_{i-1} is x_i's parent: the latest new
 token x_i may see under the tree mask, else the row's last cached token (so a strategy that builds a
-wrong tree mask or cache gets wrong distributions). It supports everything strategies use (ragged rows, tree masks,
-rollback, keep), so sampling strategies can be checked against closed-form distributions.
+wrong tree mask or cache gets wrong distributions). It supports everything the engine step uses (ragged rows,
+tree masks, rollback, keep, row views, select_rows), so sampling can be checked against closed-form
+distributions: :class:`TrigramGenerator` runs the runtime's own ``Generator.generate_ids`` over a trigram pair.
 """
 from __future__ import annotations
 
+import copy
 import numpy as np
 
 from ssd_trt.engines.base import EngineDefaults, EngineSpec
+from ssd_trt.engines.limits import EngineLimits
+from ssd_trt.engines.rows import check_order, reorder
+from ssd_trt.recipe import DecodingDefaults
+from ssd_trt.engine_generator import GeneratorOverEngines
 
 
 class TrigramEngine(EngineDefaults):
@@ -47,7 +53,17 @@ class TrigramEngine(EngineDefaults):
         return logits if logit_indices is None else np.take_along_axis(logits, np.asarray(logit_indices)[..., None], 1)
 
     def rollback(self, lengths) -> None:
-        self._lengths = np.asarray(lengths, dtype=np.int32).copy()
+        self._lengths[:] = np.asarray(lengths, dtype=np.int32)    # in place: row views share the array
+
+    def select_rows(self, order) -> None:
+        check_order(order, len(self._lengths))
+        self.tokens, self._lengths = reorder(self.tokens, order), reorder(self._lengths, order)
+
+    def rows(self, start: int, stop: int) -> "TrigramEngine":
+        """Rows ``start .. stop-1``: the same model over slices of this engine's token table and lengths."""
+        view = copy.copy(self)
+        view.tokens, view._lengths = self.tokens[start:stop], self._lengths[start:stop]
+        return view
 
     def keep(self, row: int, start: int, offsets) -> None:
         offsets = np.asarray(offsets, dtype=np.int64)
@@ -65,3 +81,15 @@ def blend(table: np.ndarray, other: np.ndarray, weight: float) -> np.ndarray:
     """A related draft: log of (1-w) p + w p_other."""
     mixed = (1 - weight) * np.exp(table) + weight * np.exp(other)
     return np.log(mixed)
+
+
+def TrigramGenerator(target, draft=None, max_batch: int = 256, max_context: int = 512,
+                     defaults: DecodingDefaults = DecodingDefaults(sd_draft_len=2, ssd_draft_len=2,
+                                                                   ssd_fan_out_budget=4)) -> GeneratorOverEngines:
+    """The runtime's Generator over a trigram target and draft: tables, or makers of engines (e.g. a draft with
+    injected faults, made again after it fails)."""
+    def maker(model, name):
+        return model if callable(model) else (lambda: TrigramEngine(model, max_batch, max_context, name))
+    limits = EngineLimits(max_batch=max_batch, max_context=max_context, max_draft_len=8, max_tree_size=64)
+    return GeneratorOverEngines(maker(target, "target"), None if draft is None else maker(draft, "draft"), limits,
+                                defaults)

@@ -43,12 +43,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ssd_trt.decoding.autoregressive import generate_autoregressive  # noqa: E402
-from ssd_trt.decoding.batch import Sequences  # noqa: E402
 from ssd_trt.decoding.params import SamplingParams  # noqa: E402
-from ssd_trt.decoding.saguaro import generate_saguaro  # noqa: E402
-from ssd_trt.decoding.settings import SSD as SSDSettings  # noqa: E402
-from ssd_trt.decoding.speculative import generate_speculative  # noqa: E402
+from ssd_trt.decoding.settings import AR, SD, SSD as SSDSettings  # noqa: E402
+from ssd_trt.engine_generator import GeneratorOverEngines  # noqa: E402
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine  # noqa: E402
 from ssd_trt.engines.device_step import place_draft_and_target  # noqa: E402
 from tests.step_script import step_script  # noqa: E402
@@ -119,16 +116,11 @@ def parity(network: Decoder, device: str, prompts: list[list[int]], steps: int) 
 
 # -- 2. lossless -----------------------------------------------------------------------------------
 def run_mode(mode: str, target, draft, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], dict]:
-    """One greedy request batch in ``mode``: (token ids per row, the strategy's stats)."""
-    seqs = Sequences(params, frozenset({2}), len(batch))
-    rng = np.random.default_rng(0)
-    if mode == "ar":
-        stats = generate_autoregressive(target, batch, seqs, rng)
-    elif mode == "sd":
-        stats = generate_speculative(target, draft, batch, seqs, rng, draft_len=SSD.draft_len)
-    else:
-        stats = generate_saguaro(target, draft, batch, seqs, rng, SSD)
-    return seqs.tokens, stats
+    """One greedy request batch in ``mode`` through the runtime's engine step: (token ids per row, its stats)."""
+    gen = GeneratorOverEngines(lambda: target, lambda: draft, LIMITS, eos_ids=frozenset({2}))
+    settings = {"ar": AR(), "sd": SD(draft_len=SSD.draft_len), "ssd": SSD}[mode]
+    results = gen.generate_ids(batch, params, mode=settings)
+    return [r.token_ids for r in results], results[0].stats
 
 
 def host_profile(mode: str, target, draft, batch: list[list[int]], params: SamplingParams, top: int = 8) -> dict:

@@ -30,12 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from ssd_trt.decoding.autoregressive import generate_autoregressive  # noqa: E402
-from ssd_trt.decoding.batch import Sequences  # noqa: E402
 from ssd_trt.decoding.params import SamplingParams  # noqa: E402
-from ssd_trt.decoding.saguaro import generate_saguaro  # noqa: E402
-from ssd_trt.decoding.settings import SSD, ssd_tree_tokens  # noqa: E402
-from ssd_trt.decoding.speculative import generate_speculative  # noqa: E402
+from ssd_trt.decoding.settings import AR, SD, SSD, ssd_tree_tokens  # noqa: E402
+from ssd_trt.engine_generator import GeneratorOverEngines  # noqa: E402
 from ssd_trt.engines.limits import EngineLimits  # noqa: E402
 from ssd_trt.engines.token_mirror import TokenMirrorEngine  # noqa: E402
 from ssd_trt.models.config import DecoderConfig  # noqa: E402
@@ -123,20 +120,16 @@ class Run:
 
 
 def run_mode(mode: str, target, draft, prompts: list[list[int]], new_tokens: int, draft_len: int,
-             ssd: SSD) -> Run:
+             ssd: SSD, limits: EngineLimits) -> Run:
+    """One request batch in ``mode`` through the runtime's engine step over these engines."""
     params = SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False)
-    seqs = Sequences(params, frozenset(), len(prompts))
-    rng = np.random.default_rng(0)
+    settings = {"ar": AR(), "sd": SD(draft_len=draft_len or 1), "ssd": ssd}[mode]
+    gen = GeneratorOverEngines(lambda: target, None if draft is None else (lambda: draft), limits)
     started = time.perf_counter()
-    if mode == "ar":
-        stats = generate_autoregressive(target, prompts, seqs, rng)
-    elif mode == "sd":
-        stats = generate_speculative(target, draft, prompts, seqs, rng, draft_len=draft_len)
-    else:
-        stats = generate_saguaro(target, draft, prompts, seqs, rng, ssd)
+    results = gen.generate_ids(prompts, params, mode=settings)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return Run(seqs.tokens, time.perf_counter() - started, stats)
+    return Run([r.token_ids for r in results], time.perf_counter() - started, results[0].stats)
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -177,8 +170,8 @@ def bench(args: argparse.Namespace) -> dict:
                      "draft_params": sum(p.numel() for p in models["draft"].parameters()),
                      "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                      "sd_k": args.sd_k, "ssd_k": args.ssd_k, "ssd_budget": args.ssd_budget, "points": []}
-    run_mode("ar", target, None, prompts[:1], min(8, args.new_tokens), 0, ssd)             # warm-up (graphs)
-    ar = [run_mode("ar", target, None, [p], args.new_tokens, 0, ssd) for p in prompts]
+    run_mode("ar", target, None, prompts[:1], min(8, args.new_tokens), 0, ssd, limits)             # warm-up (graphs)
+    ar = [run_mode("ar", target, None, [p], args.new_tokens, 0, ssd, limits) for p in prompts]
     ar_seconds = sum(r.seconds for r in ar)
     total = args.new_tokens * len(prompts)
     results["ar_tokens_per_s"] = total / ar_seconds
@@ -190,8 +183,8 @@ def bench(args: argparse.Namespace) -> dict:
             for prompt, reference in zip(prompts, ar):
                 draft.references = [np.array(prompt + reference.tokens[0])]
                 if not runs:    # warm-up of this mode's shapes, untimed
-                    run_mode(mode, target, draft, [prompt], min(8, args.new_tokens), k, ssd)
-                runs.append(run_mode(mode, target, draft, [prompt], args.new_tokens, k, ssd))
+                    run_mode(mode, target, draft, [prompt], min(8, args.new_tokens), k, ssd, limits)
+                runs.append(run_mode(mode, target, draft, [prompt], args.new_tokens, k, ssd, limits))
             seconds = sum(r.seconds for r in runs)
             exact = all(r.tokens == a.tokens for r, a in zip(runs, ar))
             point[mode] = {"tokens_per_s": total / seconds, "speedup_vs_ar": ar_seconds / seconds, "exact": exact,

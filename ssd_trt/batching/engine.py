@@ -41,6 +41,7 @@ from ssd_trt.batching.policy import TARGET_ALONE, Choice, CostCurves, LoadPolicy
 from ssd_trt.batching.round import RoundPlan, run_round
 from ssd_trt.batching.sequence import SequenceState
 from ssd_trt.decoding.fan_out import FanOutPlanner
+from ssd_trt.decoding.feature_relay import FeatureLog, relay_features, target_features
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import draw_rows
 from ssd_trt.decoding.settings import DEFAULT_MODE, SD, SSD, Settings, settings_for
@@ -167,6 +168,8 @@ class LLMEngine:
         self._draft_cores, self.draft_timeout_s = placement.cores, placement.timeout_s
         self._pool: ThreadPoolExecutor | None = None
         self.costs: CostCurves = generator.cost_curves
+        # a target exported for a feature draft (EAGLE-3): requests that use the draft keep its features
+        self._relays_features = generator.engine("target").has_features
         self._calibrated: set = set()
         if calibrate:       # SSD's defaults for greedy and for sampled requests (their K and budget may differ)
             self._calibrate([SSD().resolved(generator.decoding_defaults(params))
@@ -179,12 +182,6 @@ class LLMEngine:
         one of a seed's independent random streams (``generate`` gives each prompt of a batch its own)."""
         params = SamplingParams() if params is None else params
         [ids], resolved = self.generator.check_request([prompt_ids], params, mode)
-        if resolved.name == "sd" and resolved.settings.tree_widths:
-            raise RequestError("SD with a token tree (tree_widths) runs one request batch at a time: use "
-                               "Generator.generate, or a chain (no tree_widths) in the engine step")
-        if resolved.name != "ar" and self.generator.engine("draft").takes_target_features:
-            raise RequestError("this build's draft reads the target's features (EAGLE-3), which the engine step "
-                               "does not relay yet: use Generator.generate, or mode='ar'")
         with self._lock:
             known = {s.request_id for s in [*self._incoming, *self._waiting, *self._running]} | set(self._results)
         if request_id is None:
@@ -197,6 +194,8 @@ class LLMEngine:
         seq = SequenceState.create(request_id, ids, params, resolved, self.generator.eos_ids,
                                    lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), stream,
                                    adaptive=is_adaptive(mode))
+        if self._relays_features and resolved.name != "ar":    # its draft will read the target's features
+            seq.features = FeatureLog()
         with self._lock:
             queued = len(self._waiting) + len(self._incoming)
             if queued >= self.max_waiting:
@@ -228,6 +227,8 @@ class LLMEngine:
             plans, chosen = self._plan(self._running)
             self._lay_out(plans)
             self._prefill([seq for seq in self._target_rows if seq.unfed is None and not seq.tokens], outputs)
+            if self._draft_rows and self.draft_failure is None:      # features the draft's rows lack (EAGLE-3)
+                relay_features(self.generator.engine("draft"), self._draft_rows)
             tokens, started = self.metrics.generated_tokens, time.perf_counter()
             run_round(self, plans, outputs)
             for policy, name in chosen:     # what the round the policy chose produced (prefill excluded)
@@ -347,6 +348,8 @@ class LLMEngine:
             if id(seq) not in before:           # a new draft row: the draft has seen nothing of it
                 seq.draft_pending = seq.history[:-1] if seq.tokens else list(seq.prompt)
                 seq.speculation = None
+                if seq.features is not None:
+                    seq.features.relayed = 0
             plan = plans[id(seq)]
             if seq.speculation is not None and (plan.kind != "ssd" or plan.settings is None
                                                 or len(seq.speculation.tokens) != plan.settings.draft_len):
@@ -380,6 +383,9 @@ class LLMEngine:
             first = index[id(run[0])]
             with target.alone():            # between rounds: the draft is idle
                 logits = feed_ragged(target.rows(first, first + len(run)), [s.prompt for s in run])
+            for r, seq in enumerate(run):
+                if seq.features is not None:
+                    seq.features.append(0, target_features(target)[r, :len(seq.prompt)])
             tokens, _ = draw_rows(logits, [s.params for s in run], [s.rng for s in run])
             for seq, token in zip(run, tokens):
                 self.emit(outputs, seq, seq.commit([int(token)]))
@@ -419,6 +425,12 @@ class LLMEngine:
             self._planners[settings] = FanOutPlanner(settings.draft_len, settings.fan_out_budget,
                                                      settings.prior_acceptance, settings.prior_power)
         return self._planners[settings]
+
+    def fan_out(self, settings: SSD) -> dict:
+        """The fan-out shapes learned for requests with these settings (``FanOutPlanner.describe``; empty when
+        none ran: e.g. an adaptive request the load policy ran with another K)."""
+        planner = self._planners.get(settings)
+        return {} if planner is None else planner.describe()
 
     def yield_of(self, settings: SSD) -> Yield:
         """What adaptive SSD rounds with these request settings produced (keyed by the unadapted settings)."""

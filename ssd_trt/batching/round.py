@@ -3,15 +3,20 @@
 
   1. propose    the draft drafts a chain for the SD rows and for SSD rows without a ready speculation (a
                 request that just joined, or whose K changed): one draft loop over those rows, each row
-                drawing by its own parameters and stream (``speculative.draft_tokens``)
+                drawing by its own parameters and stream (``speculative.draft_tokens``); then a token tree
+                for each group of SD rows that asked for one (``speculative_tree.draft_trees``)
   2. speculate  for each SSD group, the draft's worker pre-drafts the likely outcomes of this round
-                (``saguaro.DraftWorker.speculate``) -- on the draft's core, while the target verifies
-  3. verify     one target forward over every row: [t*_prev] for AR rows, [t*_prev, s_1..s_K] for the others
-                (ragged, right-padded); each row verifies (``sampling.verify_chain``) or samples, and commits.
+                (``saguaro.speculate``) -- on the draft's core, while the target verifies
+  3. verify     one target forward over every row: [t*_prev] for AR rows, [t*_prev, s_1..s_K] for chains, the
+                tree's nodes (under its tree mask) for tree rows (ragged, right-padded); each row verifies
+                (``sampling.verify_chain``, ``speculative_tree.accepted_path``) or samples, and commits; a
+                tree row's cache keeps its accepted path (``Engine.keep``).
                 When no SSD group speculates, the draft's core is idle: the target runs on it too
                 (``Engine.alone``), and paused SSD rows leave their catch-up to the round that resumes them
-  4. settle     SD rows keep the draft's cache in step; SSD rows look up the outcome in their group's cache
+  4. settle     a draft that reads the target's features (EAGLE-3) is handed those of the verified tokens;
+                SD rows keep the draft's cache in step; SSD rows look up the outcome in their group's cache
                 and back up on a miss (just in time, or prompt lookup), learning the fan-out as they go
+                (``saguaro.settle``: the SSD side of a round lives with the rest of the algorithm)
 
 A request's tokens depend only on its own rows' logits and its own random streams: the engines compute each
 row exactly as alone (``engines/ort.py``: row-exact steps), so greedy output is the same under any
@@ -28,13 +33,12 @@ import numpy as np
 
 from ssd_trt.batching.policy import TARGET_ALONE
 from ssd_trt.batching.sequence import SequenceState, Speculation
-from ssd_trt.decoding.fan_out import bonus_rank
 from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, verify_chain
 from ssd_trt.decoding.settings import SD, SSD
-from ssd_trt.decoding.saguaro import DraftWorker, Speculation as RowsSpeculation, validate_cache, validate_speculation
+from ssd_trt.decoding.saguaro import Speculation as RowsSpeculation, catch_up, settle, speculate, validate_speculation
+from ssd_trt.decoding.feature_relay import relay_features, target_features
 from ssd_trt.decoding.speculative import draft_tokens
-from ssd_trt.engines.feeding import feed_rows
-from ssd_trt.ngram import ngram_proposal
+from ssd_trt.decoding.speculative_tree import DraftedTrees, TokenTree, accepted_path, draft_trees
 
 if TYPE_CHECKING:
     from ssd_trt.batching.engine import LLMEngine, RequestOutput
@@ -53,6 +57,11 @@ class RoundPlan:
     settings: SD | SSD | None
     family: SSD | None = None
 
+    @property
+    def tree(self) -> bool:
+        """An SD round over a token tree (``SD.tree_widths``)."""
+        return self.kind == "sd" and bool(self.settings.tree_widths)
+
 
 @dataclass
 class ChainDraft:
@@ -65,29 +74,43 @@ class ChainDraft:
     dists: list[TokenDistribution] | None
 
 
+@dataclass
+class TreeRow:
+    """A tree row's proposal: row ``row`` of a group's drafted trees."""
+    trees: DraftedTrees
+    row: int
+
+
 def run_round(engine: "LLMEngine", plans: dict[int, RoundPlan], outputs: dict[str, "RequestOutput"]) -> None:
     rows, drafted = engine.target_rows, engine.draft_rows
     plan = [plans[id(seq)] for seq in rows]
     chain = propose(engine, rows, drafted, plan)
+    trees = propose_trees(engine, rows, drafted, plan)
     groups = row_runs(drafted, plan, speculating=True)
     futures = [speculate(engine, rows, first, stop, plan[first].settings) for first, stop in groups]
     # the draft's core works through this round's verification, or lends it to the target (Engine.alone)
     draft_busy = any(future is not None for future in futures)
     if draft_busy:
         futures += [catch_up(engine, rows, first, stop) for first, stop in row_runs(drafted, plan, speculating=False)]
-    proposals = [row_proposal(seq, plan[i], chain, i) for i, seq in enumerate(rows)]
+    proposals = [trees.get(i) or row_proposal(seq, plan[i], chain, i) for i, seq in enumerate(rows)]
     verify_started = time.perf_counter()
     outcomes = verify(engine, rows, proposals, outputs, alone=not draft_busy)
     verified = time.perf_counter()
-    for i in range(len(drafted)):            # SSD rows, speculating or paused: the draft will see the verified glue
-        if plan[i].kind == "ssd" and outcomes[i] is not None:
+    for i in range(len(drafted)):
+        if outcomes[i] is None:
+            continue
+        if plan[i].kind == "ssd":            # speculating or paused: the draft will see the verified glue
             rows[i].draft_pending += [int(t) for t in outcomes[i][0]]
+        elif plan[i].tree:                   # the draft holds the tree's root (t*_prev): the path follows
+            rows[i].draft_pending = [int(t) for t in outcomes[i][0][1:]]
     caches = [wait_for(engine, future) for future in futures][:len(groups)]
     looked_up = time.perf_counter()
+    if drafted and engine.draft_failure is None:     # the draft is idle: it may take the features just verified
+        relay_features(engine.generator.engine("draft"), drafted)
     if chain is not None:
         settle_chain(engine, rows, plan, chain, outcomes)
     for (first, stop), cache in zip(groups, caches):
-        settle_ssd(engine, rows, first, stop, plan[first], cache, proposals, outcomes)
+        settle(engine, rows, first, stop, plan[first].settings, plan[first].family, cache, proposals, outcomes)
     record_times(engine, (verify_started, verified, looked_up), caches, groups, rows, proposals, outcomes)
 
 
@@ -117,16 +140,16 @@ def record_times(engine: "LLMEngine", times: tuple[float, float, float], caches:
 # -- 1. propose -------------------------------------------------------------------------------------------
 def propose(engine: "LLMEngine", rows: list[SequenceState], drafted: list[SequenceState],
             plan: list[RoundPlan]) -> ChainDraft | None:
-    wanted = [i for i in range(len(drafted)) if not rows[i].finished and
+    wanted = [i for i in range(len(drafted)) if not rows[i].finished and not plan[i].tree and
               (plan[i].kind == "sd" or (plan[i].settings is not None and rows[i].speculation is None))]
     if not wanted or engine.draft_failure is not None:
         return None
-    first = wanted[0]
-    view_rows = rows[first:len(drafted)]
+    first, stop = wanted[0], wanted[-1] + 1
+    view_rows = rows[first:stop]
     flags = [first + r in wanted for r in range(len(view_rows))]
     started = time.perf_counter()
     try:
-        chain = engine.on_draft(draft_chain, engine, first, view_rows, plan[first:len(drafted)], flags)
+        chain = engine.on_draft(draft_chain, engine, first, view_rows, plan[first:stop], flags)
         engine.metrics.draft_s += time.perf_counter() - started
     except Exception as failure:   # noqa: BLE001 -- any draft failure: the round goes on without the draft
         engine.draft_failed(failure)
@@ -174,6 +197,43 @@ def draft_chain(engine: "LLMEngine", first: int, seqs: list[SequenceState], plan
     return ChainDraft(first, start, fed, most, tokens, dists)
 
 
+def propose_trees(engine: "LLMEngine", rows: list[SequenceState], drafted: list[SequenceState],
+                  plan: list[RoundPlan]) -> dict[int, TreeRow]:
+    """Step 1 for tree rows (the layout puts those of one tree shape together): each group's trees, drafted on the
+    draft's core; its cache keeps each row's pending tokens and root."""
+    runs: list[tuple[int, int]] = []
+    for i in range(len(drafted)):
+        if not plan[i].tree:
+            continue
+        if runs and runs[-1][1] == i and plan[runs[-1][0]].settings.tree_widths == plan[i].settings.tree_widths:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    proposals: dict[int, TreeRow] = {}
+    for first, stop in runs:
+        if engine.draft_failure is not None:
+            break
+        seqs = rows[first:stop]
+        view = engine.generator.engine("draft").rows(first, stop)
+        pending = [s.draft_pending + [s.unfed if s.unfed is not None else 0] for s in seqs]
+        started = time.perf_counter()
+        vocab = engine.generator.engine("target").spec.vocab_size
+        try:
+            trees = engine.on_draft(draft_trees, view, pending, TokenTree.of(plan[first].settings.tree_widths),
+                                    [s.params for s in seqs], [s.draft_rng for s in seqs])
+            if int(trees.nodes.min()) < 0 or int(trees.nodes.max()) >= vocab:
+                raise ValueError(f"draft proposed token ids outside the target's vocabulary 0..{vocab - 1} in a tree")
+        except Exception as failure:   # noqa: BLE001 -- any draft failure: the round goes on without the draft
+            engine.draft_failed(failure)
+            return {}
+        engine.metrics.draft_s += time.perf_counter() - started
+        for r, seq in enumerate(seqs):
+            seq.draft_pending = []
+            if not seq.finished:
+                proposals[first + r] = TreeRow(trees, r)
+    return proposals
+
+
 def row_runs(drafted: list[SequenceState], plan: list[RoundPlan], speculating: bool) -> list[tuple[int, int]]:
     """Runs of adjacent SSD draft rows that speculate (``speculating``: with the same settings) or whose
     speculation the load policy paused (the layout puts each family together, first)."""
@@ -188,50 +248,7 @@ def row_runs(drafted: list[SequenceState], plan: list[RoundPlan], speculating: b
     return runs
 
 
-def catch_up(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int):
-    """Paused SSD rows, in a round where other rows speculate: after the speculation, the draft's core feeds them
-    what they committed while the target verifies, so that resuming costs less catch-up. (In a round where no
-    row speculates the target runs on the draft's core too, and the tokens wait: the draft feeds them when
-    speculation resumes, ``propose``.) None when there is nothing to feed."""
-    seqs = rows[first:stop]
-    if engine.draft_failure is not None or any(not s.draft_pending for s in seqs):
-        return None
-    pending = [list(s.draft_pending) for s in seqs]
-    for seq in seqs:
-        seq.draft_pending = []
-    view = engine.generator.engine("draft").rows(first, stop)
-    return engine.submit_draft(lambda: feed_rows(view, pending) is None)
-
-
-# -- 2. speculate -----------------------------------------------------------------------------------------
-def group_worker(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int, settings: SSD) -> DraftWorker:
-    """Saguaro's draft worker over one SSD group's draft rows, with each row's parameters and stream."""
-    seqs = rows[first:stop]
-    worker = DraftWorker(engine.generator.engine("draft").rows(first, stop), settings, [s.params for s in seqs],
-                         [s.draft_rng for s in seqs], None)
-    worker.pending = [list(s.draft_pending) for s in seqs]
-    worker.history = [s.history for s in seqs]
-    return worker
-
-
-def speculate(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int, settings: SSD):
-    """Submit step 2 for one group; the draft absorbs the rows' pending tokens. None without a draft."""
-    seqs = rows[first:stop]
-    if engine.draft_failure is not None or any(s.speculation is None and not s.finished for s in seqs):
-        return None
-    worker = group_worker(engine, rows, first, stop, settings)
-    K = settings.draft_len
-    tokens = np.stack([s.speculation.tokens if s.speculation is not None else np.zeros(K, np.int64) for s in seqs])
-    dists = [None if s.speculation is None else s.speculation.dists for s in seqs]
-    bonus = [s.unfed if s.unfed is not None else 0 for s in seqs]
-    shapes = [engine.planner(settings).shape("primary")] * len(seqs)
-    future = engine.submit_draft(worker.speculate, bonus, RowsSpeculation(tokens, dists, ["primary"] * len(seqs)),
-                                 shapes)
-    for seq in seqs:
-        seq.draft_pending = []
-    return future
-
-
+# -- 2. speculate: saguaro.speculate per SSD group; the draft's results -----------------------------------
 def wait_for(engine: "LLMEngine", future):
     if future is None:
         return None
@@ -255,46 +272,87 @@ def row_proposal(seq: SequenceState, plan: RoundPlan, chain: ChainDraft | None, 
     return Speculation(chain.tokens[r, :K], None if chain.dists is None else chain.dists[r][:K], "sd")
 
 
-def verify(engine: "LLMEngine", rows: list[SequenceState], proposals: list[Speculation | None],
+def verify(engine: "LLMEngine", rows: list[SequenceState], proposals: list["Speculation | TreeRow | None"],
            outputs: dict[str, "RequestOutput"], alone: bool) -> list[tuple[list[int], int] | None]:
     """One target forward over every row (``alone``: the draft is idle meanwhile, so the target may use its cores
-    too); per row (glue kept for the draft = [t*_prev, s_1..s_k], k) or None for a row that did not run
-    (finished)."""
+    too); per row (verified tokens = [t*_prev, s_1..s_k] (a tree: its accepted path), k) or None for a row that
+    did not run (finished). The target computes the features of exactly those tokens: a request's log keeps
+    them when the build relays them to a feature draft."""
     target = engine.generator.engine("target")
-    feeds = [[0] if seq.finished else [seq.unfed] + ([] if p is None else [int(t) for t in p.tokens])
-             for seq, p in zip(rows, proposals)]
-    width = max(len(f) for f in feeds)
-    ids = np.zeros((len(rows), width), dtype=np.int64)
-    for i, feed in enumerate(feeds):
-        ids[i, :len(feed)] = feed
+    ids, positions, mask = verify_inputs(rows, proposals, target.lengths)
     start = target.lengths
     started = time.perf_counter()
     with target.alone() if alone else nullcontext():
-        logits = target.forward(ids, start[:, None].astype(np.int64) + np.arange(width)[None, :])
-    engine.costs.observe(TARGET_ALONE if alone else "target", len(rows), width, time.perf_counter() - started)
+        logits = target.forward(ids, positions, mask)
+    engine.costs.observe(TARGET_ALONE if alone else "target", len(rows), ids.shape[1], time.perf_counter() - started)
     new_lengths, results = start.copy(), []
     for i, (seq, proposal) in enumerate(zip(rows, proposals)):
         if seq.finished:
             results.append(None)
             continue
         previous = seq.unfed
+        verified = [0]                        # columns of this row's feed the target verified
         if proposal is None:
             token, _ = draw_rows(logits[i, :1], [seq.params], [seq.rng])
             accepted, committed = 0, [int(token[0])]
+        elif isinstance(proposal, TreeRow):
+            verified, extra = accepted_path(proposal.trees, proposal.row, logits[i, :proposal.trees.tree.size],
+                                            seq.params, seq.rng)
+            accepted = len(verified) - 1
+            committed = [int(t) for t in proposal.trees.nodes[proposal.row, verified[1:]]] + [extra]
+            engine.metrics.drafted += len(proposal.trees.tree.widths)
         else:
             outcome = verify_chain(proposal.tokens, proposal.dists, logits[i, :len(proposal.tokens) + 1],
                                    seq.params, seq.rng)
             accepted = outcome.accepted
+            verified = list(range(accepted + 1))
             committed = [int(t) for t in proposal.tokens[:accepted]] + [outcome.bonus]
+            engine.metrics.drafted += len(proposal.tokens)
+        if proposal is not None:
             seq.stats.record_round(accepted)
             engine.metrics.speculative_rounds += 1
-            engine.metrics.drafted += len(proposal.tokens)
             engine.metrics.accepted += accepted
+        if seq.features is not None:
+            seq.features.append(int(start[i]), target_features(target)[i, verified])
+        if isinstance(proposal, TreeRow):     # the accepted path's slots become the row's next slots
+            target.keep(i, int(start[i]), verified)
         engine.emit(outputs, seq, seq.commit(committed))
         new_lengths[i] = start[i] + 1 + accepted
         results.append(([previous] + committed[:accepted], accepted))
     target.rollback(new_lengths)
     return results
+
+
+def verify_inputs(rows: list[SequenceState], proposals: list, start: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The verification's ids and positions [B, W], right-padded, and its mask [B, W, W]: None (causal) unless a
+    row verifies a tree (then that row's nodes see their ancestors only, and every other row stays causal, the
+    mask it would have alone)."""
+    feeds, depths = [], []
+    for seq, proposal in zip(rows, proposals):
+        if seq.finished:
+            feeds.append([0])
+            depths.append([0])
+        elif isinstance(proposal, TreeRow):
+            feeds.append([int(t) for t in proposal.trees.nodes[proposal.row]])
+            depths.append(list(proposal.trees.tree.depths))
+        else:
+            feed = [seq.unfed] + ([] if proposal is None else [int(t) for t in proposal.tokens])
+            feeds.append(feed)
+            depths.append(list(range(len(feed))))
+    width = max(len(f) for f in feeds)
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    positions = start[:, None].astype(np.int64) + np.arange(width)[None, :]
+    for i, (feed, depth) in enumerate(zip(feeds, depths)):
+        ids[i, :len(feed)] = feed
+        positions[i, :len(depth)] = start[i] + np.asarray(depth)
+    trees = [(i, p.trees.tree) for i, p in enumerate(proposals) if isinstance(p, TreeRow) and not rows[i].finished]
+    if not trees:
+        return ids, positions, None
+    mask = np.tile(np.tril(np.ones((width, width), dtype=bool)), (len(rows), 1, 1))
+    for i, tree in trees:
+        mask[i, :tree.size, :tree.size] = tree.mask
+    return ids, positions, mask
 
 
 # -- 4. settle --------------------------------------------------------------------------------------------
@@ -305,6 +363,9 @@ def settle_chain(engine: "LLMEngine", rows: list[SequenceState], plan: list[Roun
     if engine.draft_failure is not None:
         return
     draft = engine.generator.engine("draft").rows(chain.first, chain.first + len(chain.start))
+    # a feature draft keeps none of the drafted tokens it fed: they carried its own features, and a verified token
+    # is fed again carrying the target's (engines/feature_draft.py)
+    refeed_verified = engine.generator.engine("draft").takes_target_features
     lengths = draft.lengths
     for r in range(len(chain.start)):
         i = chain.first + r
@@ -313,87 +374,8 @@ def settle_chain(engine: "LLMEngine", rows: list[SequenceState], plan: list[Roun
         accepted = outcomes[i][1]
         if plan[i].family is not None:     # an adaptive SSD request the load policy runs in SD rounds
             engine.yield_of(plan[i].family).observe_round(plan[i].settings.draft_len, "sd", accepted)
-        kept = min(accepted, chain.drafted - 1)
+        kept = 0 if refeed_verified else min(accepted, chain.drafted - 1)
         fed_pending = int(chain.fed[r]) - (chain.drafted - 1)
         lengths[r] = chain.start[r] + fed_pending + kept
         rows[i].draft_pending = [int(t) for t in chain.tokens[r, kept:accepted]]
     engine.on_draft(draft.rollback, lengths)
-
-
-def settle_ssd(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int, plan: RoundPlan, cache,
-               proposals: list, outcomes: list) -> None:
-    """Look each row's outcome (k, t*) up in its group's cache; a miss backs up. Learn the fan-out shape."""
-    seqs, settings = rows[first:stop], plan.settings
-    K = settings.draft_len
-    planner = engine.planner(settings)
-    measured = engine.yield_of(plan.family) if plan.family is not None else None
-    if cache is not None:
-        try:
-            cache = validate_cache(cache, len(seqs), K, engine.generator.engine("target").spec.vocab_size)
-        except ValueError as malformed:      # garbage from the draft is a draft failure, never an output
-            engine.draft_failed(malformed)
-            cache = None
-    missed = []
-    for r, seq in enumerate(seqs):
-        outcome, proposal = outcomes[first + r], proposals[first + r]
-        if outcome is None or proposal is None:
-            continue
-        accepted = outcome[1]
-        if measured is not None:
-            measured.observe_round(K, proposal.source, accepted)
-        if seq.finished:
-            seq.speculation = None
-            continue
-        if cache is None:
-            seq.speculation = None
-            continue
-        own_next = int(proposal.tokens[accepted]) if accepted < K else None
-        rank = bonus_rank(cache.glue_logits[r, accepted], own_next, seq.unfed)
-        planner.curve(proposal.source).observe(accepted, K, rank)
-        entry = cache.entries.get((r, accepted, seq.unfed))
-        seq.stats.record_lookup(accepted, entry is not None)
-        engine.metrics.lookups += 1
-        engine.metrics.hits += entry is not None
-        if measured is not None:
-            measured.observe_lookup(entry is not None)
-        if entry is not None:
-            seq.speculation = Speculation(entry[0], entry[1], "primary")
-        else:
-            missed.append(r)
-    if missed:
-        back_up(engine, rows, first, stop, settings, missed)
-
-
-def back_up(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int, settings: SSD,
-            missed: list[int]) -> None:
-    """A miss: the neural draft drafts K tokens just in time (below the critical batch, or as the policy chose),
-    or prompt lookup proposes them (a point mass: still exact)."""
-    seqs = rows[first:stop]
-    backup = settings.backup
-    if backup == "auto":
-        backup = "jit" if len(rows) < settings.critical_batch else "ngram"
-    if backup == "jit" and engine.draft_failure is None:
-        worker = group_worker(engine, rows, first, stop, settings)
-        shapes = [engine.planner(settings).shape("backup")] * len(seqs)
-        wanted = [r in missed for r in range(len(seqs))]
-        bonus = [s.unfed if s.unfed is not None else 0 for s in seqs]
-        try:
-            made = validate_speculation(engine.on_draft(worker.just_in_time, bonus, shapes, wanted), len(seqs),
-                                        settings.draft_len, engine.generator.engine("target").spec.vocab_size)
-        except Exception as failure:   # noqa: BLE001 -- the request finishes without the draft
-            engine.draft_failed(failure)
-            for r in missed:
-                seqs[r].speculation = None
-            return
-        for seq in seqs:
-            seq.draft_pending = []
-        for r in missed:
-            seqs[r].speculation = Speculation(made.tokens[r].copy(), None if made.dists is None else made.dists[r],
-                                              "jit")
-            seqs[r].stats.backup_rounds["jit"] += 1
-        return
-    for r in missed:
-        tokens = np.asarray(ngram_proposal(seqs[r].history, settings.draft_len), dtype=np.int64)
-        dists = None if seqs[r].params.greedy else TokenDistribution.point_mass(tokens)
-        seqs[r].speculation = Speculation(tokens, dists, "ngram")
-        seqs[r].stats.backup_rounds["ngram"] += 1

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from ssd_trt.decoding.feature_relay import FeatureLog
 from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.stats import RoundStats
@@ -68,6 +69,7 @@ class SequenceState:
     unfed: int | None = None                  # the committed token the target's cache does not hold yet
     draft_pending: list[int] = field(default_factory=list)   # committed tokens the draft's cache lacks
     speculation: Speculation | None = None    # SSD: the next round's tokens, ready
+    features: FeatureLog | None = None        # the target's features of the verified tokens (for an EAGLE-3 draft)
     stats: RoundStats | None = None
     adaptive: bool = False                    # SSD with K and budget left to the build: the policy adapts them
     added_at: float = field(default_factory=time.perf_counter)

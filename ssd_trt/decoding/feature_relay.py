@@ -2,8 +2,9 @@
 
 The target computes features for every token it is fed; only those of tokens it verified are handed over
 (the prompt after the prefill; t*_prev and the accepted s_1..s_k after a verification; the accepted path of
-a tree), each with the position of its first token. With an independent draft every function here is a
-no-op, so the strategies call them unconditionally.
+a tree), each with the position of its first token. In the engine step each request keeps them in its
+:class:`FeatureLog` (a request may run rounds without the draft, or join the draft's rows late), and
+:func:`relay_features` hands each draft row what it lacks whenever the draft is idle.
 """
 from __future__ import annotations
 
@@ -11,41 +12,48 @@ from typing import Sequence
 
 import numpy as np
 
-# row -> (first position, features [n, F]) of the tokens just verified (rows with nothing new are absent)
-Verified = dict[int, tuple[int, np.ndarray]]
+
+class FeatureLog:
+    """The target's features of one request's verified tokens, positions 0 .. count-1 (they arrive in order),
+    and how many of them its draft row holds (``relayed``: 0 for a new draft row)."""
+
+    def __init__(self) -> None:
+        self._features: np.ndarray | None = None
+        self.count = 0
+        self.relayed = 0
+
+    def append(self, first: int, features: np.ndarray) -> None:
+        if first != self.count:
+            raise ValueError(f"target features must continue the verified prefix at position {self.count}, got "
+                             f"position {first}")
+        needed = self.count + len(features)
+        if self._features is None:
+            self._features = np.zeros((0, features.shape[1]), dtype=np.float32)
+        if needed > len(self._features):       # grow geometrically: a request appends a few rows per round
+            grown = np.zeros((max(needed, 2 * len(self._features)), self._features.shape[1]), dtype=np.float32)
+            grown[:self.count] = self._features[:self.count]
+            self._features = grown
+        self._features[self.count:needed] = features
+        self.count = needed
+
+    def since(self, first: int) -> np.ndarray:
+        return self._features[first:self.count].copy()
 
 
-def prompt_features(target, draft, prompts: list[list[int]]) -> Verified:
-    """After the target's prefill: every prompt token's features (the step right-padded ragged rows)."""
+def relay_features(draft, seqs: Sequence) -> None:
+    """Hand draft row i (``seqs[i]``'s) the features its row does not have yet (a no-op for an independent
+    draft). Call only while the draft is idle."""
     if not draft.takes_target_features:
-        return {}
-    features = _features_of(target)
-    return {row: (0, features[row, :len(prompt)].copy()) for row, prompt in enumerate(prompts)}
+        return
+    for row, seq in enumerate(seqs):
+        log = seq.features
+        if log is not None and log.relayed < log.count:
+            draft.receive_target_features(row, log.relayed, log.since(log.relayed))
+            log.relayed = log.count
 
 
-def chain_features(target, draft, outcomes: Sequence) -> Verified:
-    """After ``rounds.verify_and_commit``: the features of t*_prev, s_1..s_k (the target's cache ends there)."""
-    if not draft.takes_target_features:
-        return {}
-    features, lengths = _features_of(target), target.lengths
-    return {row: (int(lengths[row]) - outcome.accepted - 1, features[row, :outcome.accepted + 1].copy())
-            for row, outcome in enumerate(outcomes) if outcome is not None}
-
-
-def tree_features(target, draft, row: int, start: int, path: list[int]) -> Verified:
-    """After a tree verification of ``row`` (before ``keep``): the features of the accepted path's nodes."""
-    if not draft.takes_target_features:
-        return {}
-    return {row: (start, _features_of(target)[row, path].copy())}
-
-
-def hand_over(draft, verified: Verified) -> None:
-    """Give the draft what the target verified (on the draft's own thread in SSD)."""
-    for row, (first, features) in verified.items():
-        draft.receive_target_features(row, first, features)
-
-
-def _features_of(target) -> np.ndarray:
+def target_features(target) -> np.ndarray:
+    """The features [B, T, F] of every token of the target's last step."""
     features = target.last_features
     if not target.has_features or features is None:
         raise RuntimeError(f"{target.spec.name}: the draft reads the target's features but the target engine "

@@ -2,19 +2,14 @@
 
 A mode says which engines it needs, resolves a request's settings (``decoding/settings.py``: AR, SD or SSD,
 with unset values from the build's decoding defaults) into a :class:`ResolvedMode` (what the runtime checks
-against the engine limits before any engine runs), and runs. Adding a mode is one new module with such an
-object, its settings class, and a registry line.
+against the engine limits before any engine runs). The engine step runs every mode's rounds
+(``batching/round.py``). Adding a mode is a settings class, an object here with its resolution, a registry
+line, and its round in the engine step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
-
-import numpy as np
-
-from ssd_trt.decoding.batch import Sequences
-from ssd_trt.engines.base import Engine
-from ssd_trt.engines.placement import ModelPlacement
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -35,7 +30,3 @@ class Mode(Protocol):
     def resolve(self, settings: Any, defaults: Any) -> ResolvedMode:
         """``settings``: this mode's settings object; ``defaults``: the build's DecodingDefaults for the
         request's regime. Raises RequestError."""
-
-    def run(self, engines: Mapping[str, Engine], prompts: list[list[int]], seqs: Sequences,
-            rng: np.random.Generator, resolved: ResolvedMode, placements: Mapping[str, ModelPlacement]) -> dict:
-        """Decode until every row of ``seqs`` is done; return the mode's statistics."""

@@ -22,10 +22,11 @@ them; the commit after the verification hands the draft the target's features of
 next glue decode re-feeds those tokens carrying them.
 
 The file reads in that order: settings, the draft side (DraftWorker: steps 1-4 and the just-in-time
-backup), then the target side (:func:`saguaro_rounds`: verify, look up, learn, back up). That loop runs one
-batch from start to end (feature drafts); the engine step runs the same DraftWorker per group of SSD requests
-that join and leave, with the target side of a round in ``batching/round.py`` (``speculate``, ``verify``,
-``settle_ssd``, ``back_up``).
+backup), then the target side of a round for one group of SSD requests in the engine step (:func:`speculate`
+submits steps 1-4; ``batching/round.py`` verifies every request of every mode in one target forward;
+:func:`settle` looks each outcome up, learns the fan-out, and :func:`back_up` covers a miss; :func:`catch_up`
+feeds the draft requests whose speculation the load policy paused). Requests join and leave between rounds,
+each with its own parameters and random streams.
 
 Sampling is lossless because the target verifies with the exact distribution each drafted token was
 drawn from (``sampling.verify_chain``). With Saguaro sampling (C < 1) that distribution is
@@ -40,27 +41,24 @@ region would remove that re-feed (profiled cost: docs/decoding.md).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ssd_trt.decoding.batch import Sequences, first_tokens
-from ssd_trt.decoding.feature_relay import Verified, chain_features, hand_over, prompt_features
-from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks, ranked_forks
+from ssd_trt.batching.sequence import SequenceState, Speculation as RequestSpeculation
+from ssd_trt.decoding.fan_out import bonus_rank, confident_forks, ranked_forks
 from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.rounds import verify_and_commit
-from ssd_trt.decoding.sampling import Outcome, TokenDistribution, draw_rows, filter_logits, softmax
+from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, filter_logits, softmax
 from ssd_trt.decoding.settings import SSD
 from ssd_trt.decoding.speculative import draft_tokens
-from ssd_trt.decoding.stats import RoundStats
-from ssd_trt.engines.affinity import pin
 from ssd_trt.engines.base import Engine, last_indices
 from ssd_trt.engines.feeding import feed_rows
-from ssd_trt.engines.placement import ModelPlacement
 from ssd_trt.ngram import lookup_followers, ngram_proposal
+
+if TYPE_CHECKING:
+    from ssd_trt.batching.engine import LLMEngine
 
 
 # -- settings: decoding/settings.SSD (K, the fan-out budget B, fork policy, C, backup, b*) ----------------
@@ -75,11 +73,6 @@ class Saguaro:
                             tree_tokens=settings.tree_tokens,
                             tree_what=f"an SSD tree step with K={settings.draft_len} and fan-out budget "
                                       f"{settings.fan_out_budget}")
-
-    def run(self, engines: Mapping[str, Engine], prompts: list[list[int]], seqs: Sequences,
-            rng: np.random.Generator, resolved: ResolvedMode, placements: Mapping[str, ModelPlacement]) -> dict:
-        return generate_saguaro(engines["target"], engines["draft"], prompts, seqs, rng, resolved.settings,
-                                placements["draft"])
 
 
 @dataclass
@@ -105,25 +98,11 @@ class DraftWorker:
     Each row has its own sampling parameters and its own random stream (``params``, ``rngs``): a row's draws
     depend on nothing else in the batch."""
 
-    def __init__(self, draft: Engine, config: SSD, params: list[SamplingParams], rngs: list[np.random.Generator],
-                 cores: tuple[int, ...] | None) -> None:
-        self.draft, self.config, self.params, self.rngs, self.cores = draft, config, params, rngs, cores
+    def __init__(self, draft: Engine, config: SSD, params: list[SamplingParams], rngs: list[np.random.Generator]
+                 ) -> None:
+        self.draft, self.config, self.params, self.rngs = draft, config, params, rngs
         self.pending: list[list[int]] = []   # committed tokens the draft cache has not seen yet
         self.history: list[list[int]] = []   # every committed token (prompt lookup reads it)
-
-    def start(self, prompts: list[list[int]]) -> None:
-        pin(self.cores)                      # this worker thread is the draft's device
-        self.draft.reset(len(prompts))
-        self.pending = [list(p) for p in prompts]
-        self.history = [list(p) for p in prompts]
-
-    def commit(self, accepted_glue: list[list[int]], verified: Verified) -> None:
-        """The verified prefix grew by these tokens (glue tokens 0..k of the last speculation); a feature
-        draft gets the target's features of them (``verified``; empty for an independent draft)."""
-        for row, tokens in enumerate(accepted_glue):
-            self.pending[row] += tokens
-            self.history[row] += tokens
-        hand_over(self.draft, verified)
 
     def speculate(self, bonus: list[int], speculation: Speculation, shapes: list[list[int]]) -> SpeculationCache:
         """Steps 1-4 of the round for the speculation the target is verifying now."""
@@ -227,189 +206,134 @@ def tree_step_inputs(glue: list[list[int]], forks: list[list[tuple[int, int]]], 
     return ids, positions, mask
 
 
-# -- the target side: the round loop --------------------------------------------------------------
-class DraftFailed(Exception):
-    """The draft raised, hung past its timeout or returned garbage (the cause is chained). ``bonus`` is
-    each row's committed-but-unfed token: where target-only decoding picks up."""
-
-    def __init__(self, bonus: list[int]) -> None:
-        super().__init__("the draft failed")
-        self.bonus = list(bonus)
-
-
-@dataclass
-class Round:
-    """What one round needs besides the engines: the worker's thread, the learned fan-out, the stats."""
-    pool: ThreadPoolExecutor
-    worker: DraftWorker
-    planner: FanOutPlanner
-    stats: RoundStats
-    timeout_s: float
-    use_jit: bool
-
-    def on_draft(self, fn, *args) -> Future:
-        return self.pool.submit(fn, *args)
-
-    def result(self, future: Future):
-        """The draft job's result; its exception, or a TimeoutError when it hangs past the timeout."""
-        return future.result(timeout=self.timeout_s)
+# -- the target side: one round of a group of SSD requests -------------------------------------------------
+# The engine step (``batching/round.py``) lays SSD requests with the same settings out as adjacent rows (a
+# group) and, each round: submits the group's speculation (below) to the draft's thread, verifies every row of
+# every mode in one target forward, then settles the group: looks the outcomes up and backs up on a miss.
+def group_worker(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int, settings: SSD) -> DraftWorker:
+    """Saguaro's draft worker over one SSD group's draft rows, with each row's parameters and stream."""
+    seqs = rows[first:stop]
+    worker = DraftWorker(engine.generator.engine("draft").rows(first, stop), settings, [s.params for s in seqs],
+                         [s.draft_rng for s in seqs])
+    worker.pending = [list(s.draft_pending) for s in seqs]
+    worker.history = [s.history for s in seqs]
+    return worker
 
 
-def generate_saguaro(target: Engine, draft: Engine, prompts: list[list[int]], seqs: Sequences,
-                     rng: np.random.Generator, config: SSD,
-                     placement: ModelPlacement = ModelPlacement()) -> dict:
-    if config.draft_len is None or config.fan_out_budget is None:
-        raise ValueError(f"generate_saguaro needs resolved settings (SSD.resolved(defaults)), got {config}")
-    params, batch, K = seqs.params, len(prompts), config.draft_len
-    stats = RoundStats(mode="ssd", draft_len=K)
-    use_jit = config.backup == "jit" or (config.backup == "auto" and batch < config.critical_batch)
-    # Not a `with` block: that would wait for a hung draft call. A hung draft is abandoned (its
-    # thread finishes on its own; the runtime retires that draft engine); otherwise the thread is joined.
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-draft")
-    draft_rng = np.random.default_rng(None if params.seed is None else params.seed + 1)
-    state = Round(pool, DraftWorker(draft, config, [params] * batch, [draft_rng] * batch, placement.cores),
-                  FanOutPlanner(K, config.fan_out_budget, config.prior_acceptance, config.prior_power),
-                  stats, placement.timeout_s, use_jit)
-    try:
-        summary = saguaro_rounds(state, target, prompts, seqs, rng)
-    except DraftFailed as failed:
-        summary = finish_without_draft(target, seqs, failed.bonus, rng, stats, failed.__cause__)
-    finally:
-        pool.shutdown(wait=not stats.draft_hung, cancel_futures=True)
-    return summary
+def speculate(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int, settings: SSD):
+    """Submit step 2 for one group; the draft absorbs the rows' pending tokens. None without a draft."""
+    seqs = rows[first:stop]
+    if engine.draft_failure is not None or any(s.speculation is None and not s.finished for s in seqs):
+        return None
+    worker = group_worker(engine, rows, first, stop, settings)
+    K = settings.draft_len
+    tokens = np.stack([s.speculation.tokens if s.speculation is not None else np.zeros(K, np.int64) for s in seqs])
+    dists = [None if s.speculation is None else s.speculation.dists for s in seqs]
+    bonus = [s.unfed if s.unfed is not None else 0 for s in seqs]
+    shapes = [engine.planner(settings).shape("primary")] * len(seqs)
+    future = engine.submit_draft(worker.speculate, bonus, Speculation(tokens, dists, ["primary"] * len(seqs)),
+                                 shapes)
+    for seq in seqs:
+        seq.draft_pending = []
+    return future
 
 
-def saguaro_rounds(state: Round, target: Engine, prompts: list[list[int]], seqs: Sequences,
-                   rng: np.random.Generator) -> dict:
-    """Rounds until every row is done: the draft pre-speculates the next round while the target verifies."""
-    batch, K, vocab = len(prompts), state.worker.config.draft_len, target.spec.vocab_size
-    timeline: list[dict] = []
-    draft_started = state.on_draft(state.worker.start, prompts)     # draft prefill overlaps target prefill
-    bonus = first_tokens(target, prompts, seqs, rng)
-    state.on_draft(state.worker.commit, [[] for _ in prompts], prompt_features(target, state.worker.draft, prompts))
-    speculation = guarded(bonus, lambda: first_speculation(state, draft_started, bonus, batch, vocab))
-    while not seqs.all_done:
-        t_submit = time.perf_counter()
-        shapes = [state.planner.shape("primary")] * batch          # guesses for the *next* round
-        cache_future = state.on_draft(state.worker.speculate, bonus, speculation, shapes)
-        t_verify = time.perf_counter()                             # target: verify (draft: speculate)
-        outcomes = verify_and_commit(target, bonus, speculation.tokens, speculation.dists, seqs, rng, state.stats)
-        verified = chain_features(target, state.worker.draft, outcomes)   # now: the next target step overwrites them
-        t_verified = time.perf_counter()
-        glue = accepted_glue(bonus, speculation, outcomes)
-        bonus = [previous if o is None else o.bonus for previous, o in zip(bonus, outcomes)]
-        cache = guarded(bonus, lambda: validate_cache(state.result(cache_future), batch, K, vocab))
-        t_looked_up = time.perf_counter()
-        state.on_draft(state.worker.commit, glue, verified)
-        learn_fan_out(state.planner, cache, speculation, outcomes)
-        next_speculation, missed = look_up(cache, outcomes, seqs, K, state.use_jit, state.stats)
-        if missed:
-            guarded(bonus, lambda: back_up(state, next_speculation, missed, bonus, prompts, seqs, vocab))
-        t_done = time.perf_counter()
-        state.stats.add_time(draft_s=max(0.0, cache.finished - cache.started), verify_s=t_verified - t_verify,
-                             wait_s=max(0.0, t_looked_up - t_verified) + (t_done - t_looked_up))
-        timeline.append(round_record(len(timeline), seqs.started, t_submit, (t_verify, t_verified), cache,
-                                     batch - len(missed), t_done - t_looked_up, outcomes, speculation.sources))
-        speculation = next_speculation
-    summary = state.stats.summary()
-    summary.update(overlap_summary(timeline))
-    summary.update({"fan_out": state.planner.describe(), "timeline": timeline,
-                    "saguaro_c": state.worker.config.saguaro_c, "backup_policy": "jit" if state.use_jit else "ngram"})
-    return summary
-
-
-def guarded(bonus: list[int], job):
-    """Run a step that needs the draft. Any failure of it -- an exception, a hang past the timeout, a
-    malformed result -- becomes DraftFailed: the request then finishes exactly, without the draft."""
-    try:
-        return job()
-    except Exception as failure:   # noqa: BLE001 -- any draft failure: finish exactly without it
-        raise DraftFailed(bonus) from failure
-
-
-def first_speculation(state: Round, draft_started: Future, bonus: list[int], batch: int, vocab: int) -> Speculation:
-    """The first round has no cache to look in: the draft speculates just in time behind the first token."""
-    state.result(draft_started)
-    shapes = [state.planner.shape("backup")] * batch
-    return validate_speculation(state.result(state.on_draft(state.worker.just_in_time, bonus, shapes)),
-                                batch, state.worker.config.draft_len, vocab)
-
-
-def accepted_glue(bonus: list[int], speculation: Speculation, outcomes: list[Outcome | None]) -> list[list[int]]:
-    """Per row, the glue tokens now verified: t*_prev and s_1..s_k (nothing for finished rows). The new
-    bonus tokens are not glue yet: they lead the next speculation."""
-    return [[] if o is None else [int(bonus[row])] + [int(t) for t in speculation.tokens[row, :o.accepted]]
-            for row, o in enumerate(outcomes)]
-
-
-def learn_fan_out(planner: FanOutPlanner, cache: SpeculationCache, speculation: Speculation,
-                  outcomes: list[Outcome | None]) -> None:
-    """Where the bonus token fell among the draft's candidates: the data behind F_k's power law."""
-    K = speculation.tokens.shape[1]
-    for row, outcome in enumerate(outcomes):
-        if outcome is None:
+def settle(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int, settings: SSD,
+           family: SSD | None, cache: SpeculationCache | None, proposals: list, outcomes: list) -> None:
+    """After the verification: look each row's outcome (k, t*) up in its group's cache; a miss backs up. Learn
+    the fan-out shape, and (``family``: an adaptive request's own settings) what the round yielded."""
+    seqs = rows[first:stop]
+    K = settings.draft_len
+    planner = engine.planner(settings)
+    measured = engine.yield_of(family) if family is not None else None
+    if cache is not None:
+        try:
+            cache = validate_cache(cache, len(seqs), K, engine.generator.engine("target").spec.vocab_size)
+        except ValueError as malformed:      # garbage from the draft is a draft failure, never an output
+            engine.draft_failed(malformed)
+            cache = None
+    missed = []
+    for r, seq in enumerate(seqs):
+        outcome, proposal = outcomes[first + r], proposals[first + r]
+        if outcome is None or proposal is None:
             continue
-        own_next = int(speculation.tokens[row, outcome.accepted]) if outcome.accepted < K else None
-        rank = bonus_rank(cache.glue_logits[row, outcome.accepted], own_next, outcome.bonus)
-        planner.curve(speculation.sources[row]).observe(outcome.accepted, K, rank)
-
-
-def look_up(cache: SpeculationCache, outcomes: list[Outcome | None], seqs: Sequences, draft_len: int,
-            use_jit: bool, stats: RoundStats) -> tuple[Speculation, list[int]]:
-    """A hit is the next speculation, ready now; returns it (misses left empty) and the rows that missed."""
-    batch = len(outcomes)
-    tokens = np.zeros((batch, draft_len), dtype=np.int64)
-    dists: list[TokenDistribution | None] | None = None if seqs.params.greedy else [None] * batch
-    sources, missed = [], []
-    for row, outcome in enumerate(outcomes):
-        if outcome is None:
-            sources.append("primary")
+        accepted = outcome[1]
+        if measured is not None:
+            measured.observe_round(K, proposal.source, accepted)
+        if seq.finished:
+            seq.speculation = None
             continue
-        hit = (row, outcome.accepted, outcome.bonus) in cache.entries
-        stats.record_lookup(outcome.accepted, hit)
-        if hit:
-            tokens[row], row_dist = cache.entries[(row, outcome.accepted, outcome.bonus)]
-            if dists is not None:
-                dists[row] = row_dist
-            sources.append("primary")
+        if cache is None:
+            seq.speculation = None
+            continue
+        own_next = int(proposal.tokens[accepted]) if accepted < K else None
+        rank = bonus_rank(cache.glue_logits[r, accepted], own_next, seq.unfed)
+        planner.curve(proposal.source).observe(accepted, K, rank)
+        entry = cache.entries.get((r, accepted, seq.unfed))
+        seq.stats.record_lookup(accepted, entry is not None)
+        engine.metrics.lookups += 1
+        engine.metrics.hits += entry is not None
+        if measured is not None:
+            measured.observe_lookup(entry is not None)
+        if entry is not None:
+            seq.speculation = RequestSpeculation(entry[0], entry[1], "primary")
         else:
-            missed.append(row)
-            sources.append("jit" if use_jit else "ngram")
-    return Speculation(tokens, dists, sources), missed
+            missed.append(r)
+    if missed:
+        back_up(engine, rows, first, stop, settings, missed)
 
 
-def back_up(state: Round, speculation: Speculation, missed: list[int], bonus: list[int], prompts: list[list[int]],
-            seqs: Sequences, vocab: int) -> None:
-    """Fill the missed rows of ``speculation`` in place: the neural draft just in time, or prompt lookup."""
-    batch, K = len(bonus), speculation.tokens.shape[1]
-    if state.use_jit:
-        shapes = [state.planner.shape("backup")] * batch
-        backup = validate_speculation(state.result(state.on_draft(state.worker.just_in_time, bonus, shapes)),
-                                      batch, K, vocab)
-    for row in missed:
-        if state.use_jit:
-            speculation.tokens[row] = backup.tokens[row]
-            if speculation.dists is not None:
-                speculation.dists[row] = backup.dists[row]
-        else:      # a deterministic proposal: a point mass, still exact
-            speculation.tokens[row] = ngram_proposal(prompts[row] + seqs.tokens[row], K)
-            if speculation.dists is not None:
-                speculation.dists[row] = TokenDistribution.point_mass(speculation.tokens[row])
-        state.stats.backup_rounds[speculation.sources[row]] += 1
-    if speculation.dists is not None:   # finished rows keep a placeholder (their outcome is never committed)
-        speculation.dists = [d if d is not None else TokenDistribution.point_mass(speculation.tokens[row])
-                      for row, d in enumerate(speculation.dists)]
+def back_up(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int, settings: SSD,
+            missed: list[int]) -> None:
+    """A miss: the neural draft drafts K tokens just in time (below the critical batch, or as the policy chose),
+    or prompt lookup proposes them (a point mass: still exact)."""
+    seqs = rows[first:stop]
+    backup = settings.backup
+    if backup == "auto":
+        backup = "jit" if len(rows) < settings.critical_batch else "ngram"
+    if backup == "jit" and engine.draft_failure is None:
+        worker = group_worker(engine, rows, first, stop, settings)
+        shapes = [engine.planner(settings).shape("backup")] * len(seqs)
+        wanted = [r in missed for r in range(len(seqs))]
+        bonus = [s.unfed if s.unfed is not None else 0 for s in seqs]
+        try:
+            made = validate_speculation(engine.on_draft(worker.just_in_time, bonus, shapes, wanted), len(seqs),
+                                        settings.draft_len, engine.generator.engine("target").spec.vocab_size)
+        except Exception as failure:   # noqa: BLE001 -- the request finishes without the draft
+            engine.draft_failed(failure)
+            for r in missed:
+                seqs[r].speculation = None
+            return
+        for seq in seqs:
+            seq.draft_pending = []
+        for r in missed:
+            seqs[r].speculation = RequestSpeculation(made.tokens[r].copy(),
+                                                     None if made.dists is None else made.dists[r], "jit")
+            seqs[r].stats.backup_rounds["jit"] += 1
+        return
+    for r in missed:
+        tokens = np.asarray(ngram_proposal(seqs[r].history, settings.draft_len), dtype=np.int64)
+        dists = None if seqs[r].params.greedy else TokenDistribution.point_mass(tokens)
+        seqs[r].speculation = RequestSpeculation(tokens, dists, "ngram")
+        seqs[r].stats.backup_rounds["ngram"] += 1
 
 
-def round_record(index: int, origin: float, submitted: float, verify: tuple[float, float], cache: SpeculationCache,
-                 hits: int, backup_s: float, outcomes: list[Outcome | None], sources: list[str]) -> dict:
-    """One round of the timeline (seconds since the request started)."""
-    return {"round": index, "verify": [verify[0] - origin, verify[1] - origin],
-            "draft": [cache.started - origin, cache.finished - origin], "submitted": submitted - origin,
-            "hits": hits, "backup": len(outcomes) - hits, "backup_s": backup_s,
-            "accepted": [None if o is None else o.accepted for o in outcomes], "source": list(sources)}
+def catch_up(engine: "LLMEngine", rows: list[SequenceState], first: int, stop: int):
+    """Paused SSD rows, in a round where other rows speculate: after the speculation, the draft's core feeds them
+    what they committed while the target verifies, so that resuming costs less catch-up. (In a round where no
+    row speculates the target runs on the draft's core too, and the tokens wait: the draft feeds them when
+    speculation resumes, ``propose``.) None when there is nothing to feed."""
+    seqs = rows[first:stop]
+    if engine.draft_failure is not None or any(not s.draft_pending for s in seqs):
+        return None
+    pending = [list(s.draft_pending) for s in seqs]
+    for seq in seqs:
+        seq.draft_pending = []
+    view = engine.generator.engine("draft").rows(first, stop)
+    return engine.submit_draft(lambda: feed_rows(view, pending) is None)
 
 
+# -- checks of what the draft returns, and the round timeline ---------------------------------------
 def validate_cache(cache: SpeculationCache, batch: int, draft_len: int, vocab: int) -> SpeculationCache:
     """Refuse a malformed cache from the draft (garbage is a draft failure, never an output)."""
     for (row, k, token), (tokens, _) in cache.entries.items():
@@ -426,21 +350,6 @@ def validate_speculation(speculation: Speculation, batch: int, draft_len: int, v
         raise ValueError(f"draft returned a malformed speculation (shape {tokens.shape}, expected "
                          f"{(batch, draft_len)}, tokens within 0..{vocab - 1})")
     return speculation
-
-
-def finish_without_draft(target: Engine, seqs: Sequences, bonus: list[int], rng: np.random.Generator,
-                         stats: RoundStats, failure: BaseException | None) -> dict:
-    """The draft died, hung or returned garbage: finish every row target-only, exactly as AR would.
-
-    The target's cache holds the verified prefix; ``bonus`` is each row's committed-but-unfed token.
-    """
-    from ssd_trt.decoding.autoregressive import continue_autoregressive
-    stats.draft_failures.append(f"{type(failure).__name__}: {failure}")
-    stats.draft_hung = isinstance(failure, FutureTimeout)
-    continue_autoregressive(target, seqs, bonus, rng)
-    summary = stats.summary()
-    summary["fallback"] = "autoregressive (draft failed)"
-    return summary
 
 
 def overlap_summary(timeline: list[dict]) -> dict:

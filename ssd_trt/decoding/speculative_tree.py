@@ -1,18 +1,18 @@
 """Speculative decoding over a token tree: every node at depth d gets w_d children (greedy: the draft's top
 w_d tokens; sampling: w_d i.i.d. draws from q, as the multi-draft rule requires); the target scores the
 whole tree in one pass with the tree mask, the accepted root-to-leaf path is kept in its KV cache
-(``keep``) and the rest rolled back. ``--mode sd --tree-widths 2,2,1`` (``decoding/speculative.py``).
+(``keep``) and the rest rolled back. ``--mode sd --tree-widths 2,2,1``; the engine step runs it
+(``batching/round.py``).
 """
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.decoding.batch import Sequences, first_tokens
-from ssd_trt.decoding.feature_relay import hand_over, prompt_features, tree_features
+from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution, filter_logits, next_tokens, top_tokens, verify_tree_children
-from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.engines.base import Engine
 from ssd_trt.engines.feeding import feed_ragged, tree_mask_from_parents
 
@@ -36,91 +36,83 @@ def tree_nodes(widths: list[int]) -> int:
     return len(tree_shape(widths)[0])
 
 
-def generate_tree_speculative(target: Engine, draft: Engine, prompts: list[list[int]], seqs: Sequences,
-                              rng: np.random.Generator, tree_widths: list[int]) -> dict:
-    """Tree verification rounds until every row is done. Static tree shape shared by all rows."""
-    batch = len(prompts)
-    stats = RoundStats(mode="sd-tree", draft_len=len(tree_widths))
-    draft.reset(batch)
-    bonus = first_tokens(target, prompts, seqs, rng)
-    hand_over(draft, prompt_features(target, draft, prompts))
-    pending = [list(p) + [b] for p, b in zip(prompts, bonus)]
-    parents, depth_of = tree_shape(tree_widths)        # node 0 is the root (the bonus token)
-    mask = tree_mask_from_parents(parents)
-    while not seqs.all_done:
-        t0 = time.perf_counter()
-        draft_start = draft.lengths
-        nodes, node_q, base = draft_tree(draft, pending, bonus, tree_widths, parents, depth_of, mask, seqs, rng)
-        t1 = time.perf_counter()
-        start = target.lengths
-        positions = start[:, None] + np.array(depth_of)[None, :]
-        logits = target.forward(nodes, positions, np.broadcast_to(mask, (batch,) + mask.shape))
-        t2 = time.perf_counter()
-        new_draft = base.copy()                           # the draft keeps prefix + pending only
-        for row in range(batch):
-            if seqs.done[row]:                            # finished rows idle: nothing kept or grown
-                target.keep(row, int(start[row]), [])
-                pending[row] = [bonus[row]]
-                new_draft[row] = draft_start[row]
-                continue
-            path, extra = accepted_path(nodes[row], node_q, row, logits[row], parents, seqs, rng)
-            accepted = [int(nodes[row, n]) for n in path[1:]]
-            seqs.commit(row, accepted + [extra])
-            stats.record_round(len(accepted))
-            hand_over(draft, tree_features(target, draft, row, int(start[row]), path))
-            target.keep(row, int(start[row]), path)       # root + accepted nodes, compacted
-            pending[row] = accepted + [extra]
-            bonus[row] = extra
-        draft.rollback(new_draft)
-        stats.add_time(draft_s=t1 - t0, verify_s=t2 - t1)
-    return stats.summary()
+@dataclass(frozen=True)
+class TokenTree:
+    """A static tree shape: ``widths[d]`` children under every depth-d node; node 0 is the root (the bonus
+    token), nodes are numbered level by level."""
+    widths: tuple[int, ...]
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    mask: np.ndarray                  # bool [N, N]: node i sees node j iff j is i or an ancestor of i
+
+    @classmethod
+    def of(cls, widths) -> "TokenTree":
+        parents, depths = tree_shape(list(widths))
+        return cls(tuple(widths), tuple(parents), tuple(depths), tree_mask_from_parents(parents))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    def children(self, node: int) -> list[int]:
+        return [m for m in range(self.size) if self.parents[m] == node]
 
 
-def draft_tree(draft: Engine, pending: list[list[int]], bonus: list[int], widths: list[int], parents: list[int],
-               depth_of: list[int], mask: np.ndarray, seqs: Sequences, rng: np.random.Generator):
-    """Grow the token tree level by level under the root (each row's bonus token). Returns the nodes
-    [B, N], the distribution each node's children were drawn from ((row, node) -> q, when sampling) and
-    the draft's cache lengths with the pending tokens fed (the tree itself is rolled back)."""
-    batch, params, num_nodes = len(pending), seqs.params, len(parents)
-    root_logits = feed_ragged(draft, pending)
+@dataclass
+class DraftedTrees:
+    """One tree per row: its tokens, the distribution each node's children were drawn from ((row, node) -> q,
+    sampled rows only)."""
+    tree: TokenTree
+    nodes: np.ndarray                                   # [B, N] int64, node 0 = the row's bonus token
+    child_q: dict[tuple[int, int], TokenDistribution]
+
+
+def draft_trees(draft: Engine, pending: list[list[int]], tree: TokenTree, params: Sequence[SamplingParams],
+                rngs: Sequence[np.random.Generator]) -> DraftedTrees:
+    """Feed each row's pending tokens (its bonus token last: the root), then grow the tree level by level, every
+    row by its own parameters and random stream: greedy rows take the draft's top w_d tokens, sampled rows
+    draw w_d i.i.d. from q (the multi-draft rule needs i.i.d. children). The draft's cache keeps the pending
+    tokens only (the tree is rolled back)."""
+    batch = len(pending)
+    level_logits = {0: feed_ragged(draft, pending)}      # node -> the draft's logits [B, V] after it
     base = draft.lengths
-    nodes = np.zeros((batch, num_nodes), dtype=np.int64)
-    nodes[:, 0] = bonus
-    node_q: dict[tuple[int, int], TokenDistribution] = {}
-    level_logits = {0: root_logits}                      # node -> draft logits [B, V] after it
-    for depth in range(1, len(widths) + 1):
-        level = [n for n in range(num_nodes) if depth_of[n] == depth]
+    nodes = np.zeros((batch, tree.size), dtype=np.int64)
+    nodes[:, 0] = [row[-1] for row in pending]
+    child_q: dict[tuple[int, int], TokenDistribution] = {}
+    for depth in range(1, len(tree.widths) + 1):
+        level = [n for n in range(tree.size) if tree.depths[n] == depth]
         for row in range(batch):
-            for n in level:
-                siblings = [m for m in level if parents[m] == parents[n]]
-                logits = level_logits[parents[n]][row]
-                if params.greedy:
-                    nodes[row, n] = top_tokens(logits, len(siblings))[siblings.index(n)]
+            for parent in sorted({tree.parents[n] for n in level}):
+                children = [n for n in level if tree.parents[n] == parent]
+                logits = level_logits[parent][row]
+                if params[row].greedy:
+                    nodes[row, children] = top_tokens(logits, len(children))
                 else:
-                    q = node_q.setdefault((row, parents[n]), filter_logits(logits[None], params)[0])
-                    nodes[row, n] = int(q.sample(rng))
-        if depth < len(widths):                          # feed this level to get its children's logits
+                    q = child_q.setdefault((row, parent), filter_logits(logits[None], params[row])[0])
+                    nodes[row, children] = [int(q.sample(rngs[row])) for _ in children]
+        if depth < len(tree.widths):                     # feed the tree so far for its next level's logits
             draft.rollback(base)
-            fed = [n for n in range(1, num_nodes) if depth_of[n] <= depth]
-            positions = base[:, None] + np.array([depth_of[n] - 1 for n in fed])[None, :]
-            sub_mask = mask[np.ix_(fed, fed)]
+            fed = [n for n in range(1, tree.size) if tree.depths[n] <= depth]
+            positions = base[:, None] + np.array([tree.depths[n] - 1 for n in fed])[None, :]
+            sub_mask = tree.mask[np.ix_(fed, fed)]
             out = draft.forward(nodes[:, fed], positions, np.broadcast_to(sub_mask, (batch,) + sub_mask.shape))
             level_logits.update({n: out[:, column] for column, n in enumerate(fed)})
     draft.rollback(base)
-    return nodes, node_q, base
+    return DraftedTrees(tree, nodes, child_q)
 
 
-def accepted_path(nodes: np.ndarray, node_q: dict, row: int, logits: np.ndarray, parents: list[int],
-                  seqs: Sequences, rng: np.random.Generator) -> tuple[list[int], int]:
-    """Walk the tree from the root, level by level (``sampling.verify_tree_children``): the accepted path
-    (node indices, root first) and the token that follows it."""
-    params, path, node = seqs.params, [0], 0
+def accepted_path(trees: DraftedTrees, row: int, logits: np.ndarray, params: SamplingParams,
+                  rng: np.random.Generator) -> tuple[list[int], int]:
+    """Walk row ``row``'s tree from the root, level by level (``sampling.verify_tree_children``), with the target's
+    ``logits`` [N, V] at its nodes: the accepted path (node indices, root first) and the token that follows it."""
+    path, node = [0], 0
     while True:
-        children = [m for m in range(len(parents)) if parents[m] == node]
+        children = trees.tree.children(node)
         if not children:
             return path, int(next_tokens(logits[node][None], params, rng)[0])
         p = None if params.greedy else filter_logits(logits[node][None], params)[0]
-        chosen, extra = verify_tree_children([int(nodes[m]) for m in children], node_q.get((row, node)), p,
+        chosen, extra = verify_tree_children([int(trees.nodes[row, m]) for m in children],
+                                             trees.child_q.get((row, node)), p,
                                              logits[node] if params.greedy else None, rng)
         if chosen is None:
             return path, extra

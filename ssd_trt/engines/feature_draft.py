@@ -62,7 +62,8 @@ class FeatureDraftEngine(TokenMirrorEngine):
     def __init__(self, inner, feature_width: int, hidden_size: int) -> None:
         super().__init__(inner)
         self.feature_width, self.hidden_size = feature_width, hidden_size
-        self.fallbacks = 0                       # tokens that carried an ancestor's feature, not their parent's
+        # tokens that carried an ancestor's feature, not their parent's (one counter shared with the row views)
+        self._fallbacks = np.zeros(1, dtype=np.int64)
         self._target = np.zeros((0, self.spec.max_context, feature_width), dtype=np.float32)
         self._known = np.zeros(0, dtype=np.int64)              # positions 0..known-1 have the target's features
         self._memo: list[dict[tuple[int, bytes], np.ndarray]] = []
@@ -73,7 +74,7 @@ class FeatureDraftEngine(TokenMirrorEngine):
             self._target = np.zeros((batch, self.spec.max_context, self.feature_width), dtype=np.float32)
         self._known = np.zeros(batch, dtype=np.int64)
         self._memo = [{} for _ in range(batch)]
-        self.fallbacks = 0
+        self._fallbacks[0] = 0
 
     def select_rows(self, order) -> None:
         super().select_rows(order)
@@ -102,6 +103,10 @@ class FeatureDraftEngine(TokenMirrorEngine):
         # outputs for tokens before the newest verified one are never a parent again
         oldest = self._known[row] - 1
         self._memo[row] = {key: value for key, value in self._memo[row].items() if key[0] >= oldest}
+
+    @property
+    def fallbacks(self) -> int:
+        return int(self._fallbacks[0])
 
     def known(self, row: int) -> int:
         """How many leading positions of ``row`` carry the target's features."""
@@ -141,11 +146,11 @@ class FeatureDraftEngine(TokenMirrorEngine):
         nearest ancestor's that exists."""
         for parent in range(position - 1, -1, -1):
             if parent < self._known[row]:
-                self.fallbacks += parent != position - 1
+                self._fallbacks[0] += parent != position - 1
                 return True, self._target[row, parent]
             memo = self._memo[row].get(path.key(parent))
             if memo is not None:
-                self.fallbacks += parent != position - 1
+                self._fallbacks[0] += parent != position - 1
                 return False, memo
         return True, np.zeros(self.feature_width, dtype=np.float32)   # the first token: nothing before it
 

@@ -236,8 +236,27 @@ class OrtRows(EngineDefaults):
         return self.parent.cache.lengths[self.start:self.stop].copy()
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
-                logit_indices: np.ndarray | None = None) -> np.ndarray:
-        return self.parent.forward_rows(self.start, self.stop, input_ids, position_ids, tree_mask, logit_indices)
+                logit_indices: np.ndarray | None = None,
+                extra: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        return self.parent.forward_rows(self.start, self.stop, input_ids, position_ids, tree_mask, logit_indices,
+                                        extra)
+
+    # a feature pair's members: the parent's last step ran these rows only
+    @property
+    def has_features(self) -> bool:
+        return self.parent.has_features
+
+    @property
+    def last_features(self) -> np.ndarray | None:
+        return self.parent.last_features
+
+    @property
+    def extra_widths(self) -> Mapping[str, int]:
+        return self.parent.extra_widths
+
+    @property
+    def last_hidden(self) -> np.ndarray | None:
+        return self.parent.last_hidden
 
     def alone(self) -> ContextManager[None]:
         return self.parent.alone()

@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from typing import ContextManager, Sequence
+from typing import ContextManager, Mapping, Sequence
 
 import numpy as np
 
@@ -47,7 +47,8 @@ class PaddedRows(EngineDefaults):
         return self.parent.lengths[self.start:self.stop]
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
-                logit_indices: np.ndarray | None = None) -> np.ndarray:
+                logit_indices: np.ndarray | None = None,
+                extra: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         before = self.parent.lengths
         batch, tokens = len(before), input_ids.shape[1]
         ids = np.zeros((batch, tokens), dtype=np.int64)
@@ -61,7 +62,14 @@ class PaddedRows(EngineDefaults):
         if logit_indices is not None:
             indices = np.zeros((batch, np.asarray(logit_indices).shape[1]), dtype=np.int64)
             indices[self.start:self.stop] = logit_indices
-        logits = self.parent.forward(ids, positions, mask, indices)
+        if extra is None:
+            logits = self.parent.forward(ids, positions, mask, indices)
+        else:                    # a feature draft's per-token inputs: zeros for the padding rows
+            padded = {}
+            for name, value in extra.items():
+                padded[name] = np.zeros((batch,) + value.shape[1:], dtype=value.dtype)
+                padded[name][self.start:self.stop] = value
+            logits = self.parent.forward(ids, positions, mask, indices, extra=padded)
         after = self.parent.lengths
         after[:self.start], after[self.stop:] = before[:self.start], before[self.stop:]
         self.parent.rollback(after)
@@ -69,6 +77,25 @@ class PaddedRows(EngineDefaults):
 
     def alone(self) -> ContextManager[None]:
         return self.parent.alone()
+
+    # a feature pair's members: this view's rows of the parent's last step
+    @property
+    def has_features(self) -> bool:
+        return self.parent.has_features
+
+    @property
+    def last_features(self) -> np.ndarray | None:
+        features = self.parent.last_features
+        return None if features is None else features[self.start:self.stop]
+
+    @property
+    def extra_widths(self) -> Mapping[str, int]:
+        return self.parent.extra_widths
+
+    @property
+    def last_hidden(self) -> np.ndarray | None:
+        hidden = self.parent.last_hidden
+        return None if hidden is None else hidden[self.start:self.stop]
 
     def rollback(self, lengths: np.ndarray) -> None:
         full = self.parent.lengths

@@ -1,0 +1,60 @@
+"""The runtime's :class:`~ssd_trt.runtime.Generator` over engines the caller opened instead of a build directory:
+``DeviceStepEngine`` on a GPU (``research/gpu``), the tests' trigram models with exact probabilities, engines with
+injected faults. ``generate_ids`` then runs the engine step exactly as it does for a build; with no tokenizer,
+results spell their token ids."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ssd_trt.batching.policy import CostCurves
+from ssd_trt.engines.limits import EngineLimits
+from ssd_trt.recipe import DecodingDefaults
+from ssd_trt.runtime import Generator, RuntimeOptions
+
+
+class Engines:
+    """Engines by role, made on first use and kept, as a build's ``EngineSet`` (a retired one is made again)."""
+
+    def __init__(self, makers: dict[str, Callable]) -> None:
+        self.makers, self.opened = makers, {}
+
+    def get(self, role: str):
+        if role not in self.opened:
+            self.opened[role] = self.makers[role]()
+        return self.opened[role]
+
+    def retire(self, role: str) -> None:
+        self.opened.pop(role, None)
+
+    def free_slots(self) -> None:
+        for engine in self.opened.values():
+            engine.rollback(np.zeros_like(engine.lengths))
+
+
+class TokenIds:
+    """What the engine step asks of a tokenizer (stop strings, result text): text that spells the token ids."""
+
+    @staticmethod
+    def decode(tokens, skip_special_tokens: bool = True) -> str:
+        return " ".join(str(int(t)) for t in tokens)
+
+
+class GeneratorOverEngines(Generator):
+    """``target`` and ``draft``: makers of the engines (``draft`` None: AR only); ``limits``: what they are shaped
+    for (requests are checked against them); ``defaults``: K and the fan-out budget of requests that leave them
+    unset."""
+
+    def __init__(self, target: Callable, draft: Callable | None, limits: EngineLimits,
+                 defaults: DecodingDefaults = DecodingDefaults(), eos_ids: frozenset[int] = frozenset(),
+                 options: RuntimeOptions | None = None, tokenizer=None) -> None:
+        self.engines = Engines({"target": target} if draft is None else {"target": target, "draft": draft})
+        self.limits, self.defaults, self.eos_ids = limits, defaults, eos_ids
+        self.options = options or RuntimeOptions()
+        self.tokenizer = tokenizer or TokenIds()
+        self.vocab_size = self.engine("target").spec.vocab_size
+        self.cost_curves, self.load_policies, self.ssd_yields = CostCurves(), {}, {}
+
+    def decoding_defaults(self, params=None) -> DecodingDefaults:
+        return self.defaults
