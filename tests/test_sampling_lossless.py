@@ -114,6 +114,29 @@ def test_ssd_cache_hits_and_jit_misses_are_lossless(temperature):
     assert all(s["backup_rounds"].get("jit", 0) > 0 for s in stats)
 
 
+def test_adaptive_ssd_at_one_live_request_is_lossless():
+    """SSD with nothing set, exactly one request live at a time (``max_running=1``): the load policy picks AR, SD
+    or SSD rounds for each round and now and then explores the others, so consecutive requests run different
+    kinds of rounds; every request draws from its own seed, and the output still follows the target."""
+    from ssd_trt.batching.engine import LLMEngine
+    gen = TrigramGenerator(TARGET, DRAFT)
+    engine = LLMEngine(gen, max_running=1, max_waiting=ROWS * CALLS)
+    ids = [engine.add_request(PROMPT, SamplingParams(max_new_tokens=LENGTH, temperature=1.0, seed=n,
+                                                     stop_on_eos=False), "ssd")
+           for n in range(ROWS * CALLS)]
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.metrics.active_batch <= 1
+    samples = [tuple(engine.take_result(request_id).tokens) for request_id in ids]
+    engine.close()
+    exact = exact_distribution(TARGET, 1.0)
+    tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
+    assert tv < 1.5 * floor + 0.005, f"TV {tv:.4f} exceeds the noise-floor threshold ({floor:.4f})"
+    [policy] = gen.load_policies.values()
+    ran = {name for (_, name), rate in policy.rates.items() if rate.rounds > 0}
+    assert "ar" in ran and len(ran) >= 3, ran         # rounds with speculation off, and two kinds with it
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_ssd_ngram_backup_misses_are_lossless(temperature):
     stats = assert_lossless(run_ssd(backup="ngram"), temperature)

@@ -33,10 +33,10 @@ import numpy as np
 
 from ssd_trt.batching.policy import TARGET_ALONE
 from ssd_trt.batching.sequence import SequenceState, Speculation
+from ssd_trt.decoding.feature_relay import relay_features, target_features
+from ssd_trt.decoding.saguaro import Speculation as RowsSpeculation, catch_up, settle, speculate, validate_speculation
 from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, verify_chain
 from ssd_trt.decoding.settings import SD, SSD
-from ssd_trt.decoding.saguaro import Speculation as RowsSpeculation, catch_up, settle, speculate, validate_speculation
-from ssd_trt.decoding.feature_relay import relay_features, target_features
 from ssd_trt.decoding.speculative import draft_tokens
 from ssd_trt.decoding.speculative_tree import DraftedTrees, TokenTree, accepted_path, draft_trees
 
@@ -279,8 +279,8 @@ def verify(engine: "LLMEngine", rows: list[SequenceState], proposals: list["Spec
     did not run (finished). The target computes the features of exactly those tokens: a request's log keeps
     them when the build relays them to a feature draft."""
     target = engine.generator.engine("target")
-    ids, positions, mask = verify_inputs(rows, proposals, target.lengths)
     start = target.lengths
+    ids, positions, mask = verify_inputs(rows, proposals, start)
     started = time.perf_counter()
     with target.alone() if alone else nullcontext():
         logits = target.forward(ids, positions, mask)
