@@ -1,7 +1,7 @@
 """The runtime's :class:`~ssd_trt.runtime.Generator` over engines the caller opened instead of a build directory:
 ``DeviceStepEngine`` on a GPU (``research/gpu``), the tests' trigram models with exact probabilities, engines with
-injected faults. ``generate_ids`` then runs the engine step exactly as it does for a build; with no tokenizer,
-results spell their token ids."""
+injected faults. ``generate_ids`` (token ids in, token ids out) then runs the engine step exactly as it does for a
+build; with no tokenizer, result texts spell the token ids."""
 from __future__ import annotations
 
 from typing import Callable

@@ -291,14 +291,14 @@ def test_sampling_stays_lossless_when_the_draft_fails_mid_request():
 
 
 def test_fallback_matches_autoregressive_on_the_exact_model():
-    from tests.trigram import TrigramEngine, TrigramGenerator, random_log_table
+    from tests.trigram import TrigramEngine, trigram_generator, random_log_table
 
     table = random_log_table(7, seed=3)
     params = SamplingParams(max_new_tokens=12, stop_on_eos=False)
     prompts = [[0, 1], [2, 3, 4], [5]]
-    reference = [r.token_ids for r in TrigramGenerator(table).generate_ids(prompts, params, mode="ar")]
+    reference = [r.token_ids for r in trigram_generator(table).generate_ids(prompts, params, mode="ar")]
     for at in range(0, 12, 2):
-        gen = TrigramGenerator(table, lambda: FaultyEngine(TrigramEngine(random_log_table(7, seed=4)), "crash", at=at))
+        gen = trigram_generator(table, lambda: FaultyEngine(TrigramEngine(random_log_table(7, seed=4)), "crash", at=at))
         results = gen.generate_ids(prompts, params, mode=SSD(draft_len=2, fan_out_budget=4))
         assert [r.token_ids for r in results] == reference, at
         assert results[0].stats["draft_failures"], at

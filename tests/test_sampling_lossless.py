@@ -20,7 +20,7 @@ from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import Outcome, filter_logits
 from ssd_trt.decoding.settings import AR, SD, SSD
 from tests.sampling_reference import reference_probs
-from tests.trigram import TrigramGenerator, blend, random_log_table
+from tests.trigram import trigram_generator, blend, random_log_table
 
 VOCAB, LENGTH, PROMPT = 5, 3, [0, 1]
 ROWS, CALLS = 250, 32           # 8,000 draws, in requests of at most the engine's max batch
@@ -56,7 +56,7 @@ def total_variation(samples: list[tuple[int, ...]], exact: dict) -> float:
 
 def draw(mode, temperature: float, seed: int, draft=None, **filters) -> tuple[list[tuple[int, ...]], list[dict]]:
     """``draft``: a maker of the draft engine (default: the trigram DRAFT), called again after a draft failure."""
-    gen = TrigramGenerator(TARGET, DRAFT if draft is None else draft)
+    gen = trigram_generator(TARGET, DRAFT if draft is None else draft)
     samples, stats = [], []
     for call in range(CALLS):
         params = SamplingParams(max_new_tokens=LENGTH, temperature=temperature, seed=seed + call,
@@ -119,7 +119,7 @@ def test_adaptive_ssd_at_one_live_request_is_lossless():
     or SSD rounds for each round and now and then explores the others, so consecutive requests run different
     kinds of rounds; every request draws from its own seed, and the output still follows the target."""
     from ssd_trt.batching.engine import LLMEngine
-    gen = TrigramGenerator(TARGET, DRAFT)
+    gen = trigram_generator(TARGET, DRAFT)
     engine = LLMEngine(gen, max_running=1, max_waiting=ROWS * CALLS)
     ids = [engine.add_request(PROMPT, SamplingParams(max_new_tokens=LENGTH, temperature=1.0, seed=n,
                                                      stop_on_eos=False), "ssd")

@@ -4,7 +4,7 @@ The logits after token x_i are log p(. | x_{i-1}, x_i), where x_{i-1} is x_i's p
 token x_i may see under the tree mask, else the row's last cached token (so a strategy that builds a
 wrong tree mask or cache gets wrong distributions). It supports everything the engine step uses (ragged rows,
 tree masks, rollback, keep, row views, select_rows), so sampling can be checked against closed-form
-distributions: :class:`TrigramGenerator` runs the runtime's own ``Generator.generate_ids`` over a trigram pair.
+distributions: :func:`trigram_generator` runs the runtime's own ``Generator.generate_ids`` over a trigram pair.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def blend(table: np.ndarray, other: np.ndarray, weight: float) -> np.ndarray:
     return np.log(mixed)
 
 
-def TrigramGenerator(target, draft=None, max_batch: int = 256, max_context: int = 512,
+def trigram_generator(target, draft=None, max_batch: int = 256, max_context: int = 512,
                      defaults: DecodingDefaults = DecodingDefaults(sd_draft_len=2, ssd_draft_len=2,
                                                                    ssd_fan_out_budget=4)) -> GeneratorOverEngines:
     """The runtime's Generator over a trigram target and draft: tables, or makers of engines (e.g. a draft with
