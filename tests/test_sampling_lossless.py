@@ -71,16 +71,12 @@ TARGET = random_log_table(VOCAB, seed=0)
 DRAFT = blend(TARGET, random_log_table(VOCAB, seed=1), 0.6)   # related but different: partial acceptance
 
 
-def run_sd(tree_widths=None, draft_len=2):
+def sd_mode(tree_widths=None, draft_len=2):
     return SD(tree_widths=tuple(tree_widths)) if tree_widths else SD(draft_len=draft_len)
 
 
-def run_ssd(**config):
+def ssd_mode(**config):
     return SSD(**{"draft_len": 2, "fan_out_budget": 4, **config})
-
-
-def run_ar():
-    return AR()
 
 
 def assert_lossless(mode, temperature: float, seed: int = 0, draft=None, **filters) -> list[dict]:
@@ -93,23 +89,23 @@ def assert_lossless(mode, temperature: float, seed: int = 0, draft=None, **filte
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_autoregressive_sampling_matches_target(temperature):
-    assert_lossless(run_ar(), temperature)
+    assert_lossless(AR(), temperature)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_chain_ratio_acceptance_is_lossless(temperature):
-    stats = assert_lossless(run_sd(), temperature)
+    stats = assert_lossless(sd_mode(), temperature)
     assert 0.2 < np.mean([s["acceptance_rate"] for s in stats]) < 0.95   # partial acceptance exercised
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_tree_verification_is_lossless(temperature):
-    assert_lossless(run_sd(tree_widths=[2, 2]), temperature)
+    assert_lossless(sd_mode(tree_widths=[2, 2]), temperature)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_ssd_cache_hits_and_jit_misses_are_lossless(temperature):
-    stats = assert_lossless(run_ssd(backup="jit"), temperature)
+    stats = assert_lossless(ssd_mode(backup="jit"), temperature)
     assert all(0 < s["cache_hit_rate"] < 1 for s in stats)        # both hits and misses happened
     assert all(s["backup_rounds"].get("jit", 0) > 0 for s in stats)
 
@@ -139,25 +135,25 @@ def test_adaptive_ssd_at_one_live_request_is_lossless():
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_ssd_ngram_backup_misses_are_lossless(temperature):
-    stats = assert_lossless(run_ssd(backup="ngram"), temperature)
+    stats = assert_lossless(ssd_mode(backup="ngram"), temperature)
     assert all(s["backup_rounds"].get("ngram", 0) > 0 for s in stats)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_saguaro_sampling_with_c_below_one_is_lossless(temperature):
-    assert_lossless(run_ssd(saguaro_c=0.3, backup="jit"), temperature)
+    assert_lossless(ssd_mode(saguaro_c=0.3, backup="jit"), temperature)
 
 
 @pytest.mark.parametrize("policy,lookup", [("geometric", 0), ("geometric", 3), ("confidence", 0)])
 def test_every_fork_policy_is_lossless(policy, lookup):
     # the default (confidence + 3 lookup guesses) runs in every other SSD test here
-    stats = assert_lossless(run_ssd(fork_policy=policy, lookup_forks=lookup, saguaro_c=0.5, backup="jit"), 1.0)
+    stats = assert_lossless(ssd_mode(fork_policy=policy, lookup_forks=lookup, saguaro_c=0.5, backup="jit"), 1.0)
     assert all(0 < s["cache_hit_rate"] < 1 for s in stats)
 
 
 def test_non_uniform_fan_out_is_lossless():
     # a strongly geometric shape: acceptance prior far from uniform, budget larger than K+1
-    stats = assert_lossless(run_ssd(draft_len=3, fan_out_budget=9, prior_acceptance=0.2, saguaro_c=0.5,
+    stats = assert_lossless(ssd_mode(draft_len=3, fan_out_budget=9, prior_acceptance=0.2, saguaro_c=0.5,
                                     fork_policy="geometric"), 1.0)
     shapes = [s["fan_out"]["primary"]["shape"] for s in stats if "primary" in s["fan_out"]]
     assert shapes and all(len(set(shape)) > 1 for shape in shapes)
@@ -171,8 +167,8 @@ FILTERS = {"top-k 3": dict(top_k=3), "top-p 0.8": dict(top_p=0.8), "top-k 4, top
 def test_top_k_and_top_p_sampling_is_lossless_in_every_strategy(strategy, filters):
     """With filters the proposal q is sparse (the draft's top-k / nucleus support) and the target's p too;
     verification must divide by exactly that q, and the residual must live on p's support."""
-    run = {"sd chain": run_sd(draft_len=3), "sd tree": run_sd(tree_widths=[2, 2]),
-           "ssd jit, C=0.5": run_ssd(backup="jit", saguaro_c=0.5), "ssd ngram": run_ssd(backup="ngram")}[strategy]
+    run = {"sd chain": sd_mode(draft_len=3), "sd tree": sd_mode(tree_widths=[2, 2]),
+           "ssd jit, C=0.5": ssd_mode(backup="jit", saguaro_c=0.5), "ssd ngram": ssd_mode(backup="ngram")}[strategy]
     stats = assert_lossless(run, 1.0, **FILTERS[filters])
     if strategy.startswith("ssd"):
         assert all(0 < s["cache_hit_rate"] < 1 for s in stats)
@@ -182,7 +178,7 @@ def test_saguaro_c_moves_bonus_tokens_into_the_cache():
     """Lower C should raise the cache hit rate (the point of Saguaro sampling), at T = 1."""
     rates = {}
     for c in (1.0, 0.2):
-        _, stats = draw(run_ssd(saguaro_c=c, backup="jit"), 1.0, seed=5)
+        _, stats = draw(ssd_mode(saguaro_c=c, backup="jit"), 1.0, seed=5)
         rates[c] = np.mean([s["cache_hit_rate"] for s in stats])
     assert rates[0.2] > rates[1.0]
 
@@ -203,7 +199,7 @@ def test_the_check_catches_the_reference_bias_bug(monkeypatch, strategy):
     show."""
     monkeypatch.setattr(round_module, "verify_chain", planted_reference_bug)
     exact = exact_distribution(TARGET, 1.0)
-    samples, _ = draw(run_sd() if strategy == "sd" else run_ssd(backup="jit"), 1.0, seed=0)
+    samples, _ = draw(sd_mode() if strategy == "sd" else ssd_mode(backup="jit"), 1.0, seed=0)
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
     assert tv > 1.5 * floor + 0.005, f"planted bias went unnoticed: TV {tv:.4f}, floor {floor:.4f}"
 
@@ -219,7 +215,7 @@ def test_the_check_catches_saguaro_sampling_verified_against_the_unscaled_q(monk
 
     monkeypatch.setattr(DraftWorker, "_draw", unscaled)
     exact = exact_distribution(TARGET, 1.0)
-    samples, _ = draw(run_ssd(saguaro_c=0.2, backup="jit"), 1.0, seed=0)
+    samples, _ = draw(ssd_mode(saguaro_c=0.2, backup="jit"), 1.0, seed=0)
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
     assert tv > 1.5 * floor + 0.005, f"planted bias went unnoticed: TV {tv:.4f}, floor {floor:.4f}"
 
@@ -251,7 +247,7 @@ def test_a_cache_keyed_on_the_wrong_outcome(monkeypatch, pair_q_with_tokens):
     from ssd_trt.decoding.saguaro import DraftWorker
     monkeypatch.setattr(DraftWorker, "speculate", shuffled_cache(pair_q_with_tokens))
     exact = exact_distribution(TARGET, 1.0)
-    samples, stats = draw(run_ssd(backup="jit", fan_out_budget=6), 1.0, seed=0)
+    samples, stats = draw(ssd_mode(backup="jit", fan_out_budget=6), 1.0, seed=0)
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
     assert all(s["cache_hit_rate"] > 0.5 for s in stats)          # the shuffled entries were served
     if pair_q_with_tokens:

@@ -348,8 +348,6 @@ class LLMEngine:
             if id(seq) not in before:           # a new draft row: the draft has seen nothing of it
                 seq.draft_pending = seq.history[:-1] if seq.tokens else list(seq.prompt)
                 seq.speculation = None
-                if seq.features is not None:
-                    seq.features.relayed = 0
             plan = plans[id(seq)]
             if seq.speculation is not None and (plan.kind != "ssd" or plan.settings is None
                                                 or len(seq.speculation.tokens) != plan.settings.draft_len):

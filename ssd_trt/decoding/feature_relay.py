@@ -3,8 +3,8 @@
 The target computes features for every token it is fed; only those of tokens it verified are handed over
 (the prompt after the prefill; t*_prev and the accepted s_1..s_k after a verification; the accepted path of
 a tree), each with the position of its first token. In the engine step each request keeps them in its
-:class:`FeatureLog` (a request may run rounds without the draft, or join the draft's rows late), and
-:func:`relay_features` hands each draft row what it lacks whenever the draft is idle.
+:class:`FeatureLog` until :func:`relay_features` hands them to its draft row, whenever the draft is idle (after
+the prefill, after each verification: the draft may be busy speculating for other rows when they arrive).
 """
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import numpy as np
 
 class FeatureLog:
     """The target's features of one request's verified tokens, positions 0 .. count-1 (they arrive in order),
-    and how many of them its draft row holds (``relayed``: 0 for a new draft row)."""
+    and how many of them its draft row holds (``relayed``). Only those not yet relayed are kept: the draft
+    engine holds the rest (``FeatureDraftEngine``), and a request's draft row lives from its first round to its
+    end (the engine step drops it only when the draft fails, and then the request runs on without the draft)."""
 
     def __init__(self) -> None:
-        self._features: np.ndarray | None = None
+        self._features: np.ndarray | None = None      # positions relayed .. count-1
         self.count = 0
         self.relayed = 0
 
@@ -26,18 +28,15 @@ class FeatureLog:
         if first != self.count:
             raise ValueError(f"target features must continue the verified prefix at position {self.count}, got "
                              f"position {first}")
-        needed = self.count + len(features)
-        if self._features is None:
-            self._features = np.zeros((0, features.shape[1]), dtype=np.float32)
-        if needed > len(self._features):       # grow geometrically: a request appends a few rows per round
-            grown = np.zeros((max(needed, 2 * len(self._features)), self._features.shape[1]), dtype=np.float32)
-            grown[:self.count] = self._features[:self.count]
-            self._features = grown
-        self._features[self.count:needed] = features
-        self.count = needed
+        kept = self._features if self._features is not None else np.zeros((0, features.shape[1]), np.float32)
+        self._features = np.concatenate([kept, np.asarray(features, dtype=np.float32)])
+        self.count += len(features)
 
-    def since(self, first: int) -> np.ndarray:
-        return self._features[first:self.count].copy()
+    def take(self) -> tuple[int, np.ndarray]:
+        """The features the draft row lacks (from position ``relayed`` on), now relayed."""
+        first, features = self.relayed, self._features
+        self._features, self.relayed = None, self.count
+        return first, features
 
 
 def relay_features(draft, seqs: Sequence) -> None:
@@ -48,8 +47,7 @@ def relay_features(draft, seqs: Sequence) -> None:
     for row, seq in enumerate(seqs):
         log = seq.features
         if log is not None and log.relayed < log.count:
-            draft.receive_target_features(row, log.relayed, log.since(log.relayed))
-            log.relayed = log.count
+            draft.receive_target_features(row, *log.take())
 
 
 def target_features(target) -> np.ndarray:
