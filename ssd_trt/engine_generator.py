@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-
 from ssd_trt.batching.policy import CostCurves
+from ssd_trt.engines.factory import free_slots
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.recipe import DecodingDefaults
 from ssd_trt.runtime import Generator, RuntimeOptions
@@ -29,8 +28,7 @@ class Engines:
         self.opened.pop(role, None)
 
     def free_slots(self) -> None:
-        for engine in self.opened.values():
-            engine.rollback(np.zeros_like(engine.lengths))
+        free_slots(self.opened.values())
 
 
 class TokenIds:

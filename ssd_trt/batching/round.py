@@ -86,12 +86,13 @@ def run_round(engine: "LLMEngine", plans: dict[int, RoundPlan], outputs: dict[st
     plan = [plans[id(seq)] for seq in rows]
     chain = propose(engine, rows, drafted, plan)
     trees = propose_trees(engine, rows, drafted, plan)
-    groups = row_runs(drafted, plan, speculating=True)
+    groups = ssd_runs(plan, len(drafted), speculating=True)
     futures = [speculate(engine, rows, first, stop, plan[first].settings) for first, stop in groups]
     # the draft's core works through this round's verification, or lends it to the target (Engine.alone)
     draft_busy = any(future is not None for future in futures)
     if draft_busy:
-        futures += [catch_up(engine, rows, first, stop) for first, stop in row_runs(drafted, plan, speculating=False)]
+        paused = ssd_runs(plan, len(drafted), speculating=False)
+        futures += [catch_up(engine, rows, first, stop) for first, stop in paused]
     proposals = [trees.get(i) or row_proposal(seq, plan[i], chain, i) for i, seq in enumerate(rows)]
     verify_started = time.perf_counter()
     outcomes = verify(engine, rows, proposals, outputs, alone=not draft_busy)
@@ -201,23 +202,15 @@ def propose_trees(engine: "LLMEngine", rows: list[SequenceState], drafted: list[
                   plan: list[RoundPlan]) -> dict[int, TreeRow]:
     """Step 1 for tree rows (the layout puts those of one tree shape together): each group's trees, drafted on the
     draft's core; its cache keeps each row's pending tokens and root."""
-    runs: list[tuple[int, int]] = []
-    for i in range(len(drafted)):
-        if not plan[i].tree:
-            continue
-        if runs and runs[-1][1] == i and plan[runs[-1][0]].settings.tree_widths == plan[i].settings.tree_widths:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
+    vocab = engine.generator.engine("target").spec.vocab_size
     proposals: dict[int, TreeRow] = {}
-    for first, stop in runs:
+    for first, stop in row_runs(plan, len(drafted), lambda p: p.tree, lambda p: p.settings.tree_widths):
         if engine.draft_failure is not None:
             break
         seqs = rows[first:stop]
         view = engine.generator.engine("draft").rows(first, stop)
         pending = [s.draft_pending + [s.unfed if s.unfed is not None else 0] for s in seqs]
         started = time.perf_counter()
-        vocab = engine.generator.engine("target").spec.vocab_size
         try:
             trees = engine.on_draft(draft_trees, view, pending, TokenTree.of(plan[first].settings.tree_widths),
                                     [s.params for s in seqs], [s.draft_rng for s in seqs])
@@ -234,18 +227,25 @@ def propose_trees(engine: "LLMEngine", rows: list[SequenceState], drafted: list[
     return proposals
 
 
-def row_runs(drafted: list[SequenceState], plan: list[RoundPlan], speculating: bool) -> list[tuple[int, int]]:
-    """Runs of adjacent SSD draft rows that speculate (``speculating``: with the same settings) or whose
-    speculation the load policy paused (the layout puts each family together, first)."""
+def row_runs(plan: list[RoundPlan], count: int, member, key) -> list[tuple[int, int]]:
+    """Runs of adjacent rows among the first ``count`` (the draft's) whose plan is a ``member`` and whose plans share
+    a ``key``: the layout puts each group together."""
     runs: list[tuple[int, int]] = []
-    for i in range(len(drafted)):
-        if plan[i].kind != "ssd" or (plan[i].settings is not None) != speculating:
+    for i in range(count):
+        if not member(plan[i]):
             continue
-        if runs and runs[-1][1] == i and plan[runs[-1][0]].settings == plan[i].settings:
+        if runs and runs[-1][1] == i and key(plan[runs[-1][0]]) == key(plan[i]):
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
     return runs
+
+
+def ssd_runs(plan: list[RoundPlan], count: int, speculating: bool) -> list[tuple[int, int]]:
+    """SSD groups that speculate (``speculating``: with the same settings), or whose speculation the load policy
+    paused."""
+    return row_runs(plan, count, lambda p: p.kind == "ssd" and (p.settings is not None) == speculating,
+                    lambda p: p.settings)
 
 
 # -- 2. speculate: saguaro.speculate per SSD group; the draft's results -----------------------------------

@@ -108,17 +108,21 @@ class EngineSet:
         return self._probes[edition]
 
     def free_slots(self) -> None:
-        """Give back every engine's KV slots (lengths -> 0); buffers stay allocated for the next request."""
-        for engine in self.opened.values():
-            try:
-                lengths = engine.lengths
-            except AttributeError:          # never reset: holds nothing
-                continue
-            engine.rollback(np.zeros_like(lengths))
+        free_slots(self.opened.values())
 
     def retire(self, role: str) -> None:
         """Never reuse this engine (e.g. a draft that may still be running after a hang)."""
         self.opened.pop(role, None)
+
+
+def free_slots(engines) -> None:
+    """Give back every engine's KV slots (lengths -> 0); buffers stay allocated for the next request."""
+    for engine in engines:
+        try:
+            lengths = engine.lengths
+        except AttributeError:          # never reset: holds nothing
+            continue
+        engine.rollback(np.zeros_like(lengths))
 
 
 def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
