@@ -174,11 +174,13 @@ def test_the_ort_check_catches_the_reference_bias_bug(pair, monkeypatch, mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_ssd_with_nothing_set_follows_the_target_distribution_at_batch_64(pair, setting):
-    """What users get with no flags: SSD at the build's defaults, adapted by the load policy at 64 live rows."""
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_sd_and_ssd_with_nothing_set_follow_the_target_distribution_at_batch_64(pair, setting, mode):
+    """What users get with no flags: SD at the build's K, SSD at the build's defaults adapted by the load policy
+    at 64 live rows."""
     build, target = pair
     params = SETTINGS[setting]
     joint = exact_tokens(target, ssd_trt.SamplingParams(max_new_tokens=2, **params))
-    samples, _ = draw(build, "ssd", params)
+    samples, _ = draw(build, mode, params)
     for what, tv, threshold in check(joint, samples):
-        assert tv < threshold, f"ssd (defaults) {setting} {what}: TV {tv:.4f} >= {threshold:.4f}"
+        assert tv < threshold, f"{mode} (defaults) {setting} {what}: TV {tv:.4f} >= {threshold:.4f}"
