@@ -1,11 +1,12 @@
-"""The SSD load policy (``batching/policy.py``): the cost model ranks the options until they are measured, measured
-rates then decide, and the runner-up is re-measured now and then, the more rarely the further behind it is."""
+"""The SSD load policy (``batching/policy.py``): the cost model ranks the options, each option's measured slowdown
+against the model corrects it (at the nearest load measured until its own is), and the runner-up is re-measured
+now and then, the more rarely the further behind it is."""
 from __future__ import annotations
 
 import pytest
 
 from ssd_trt import SSD
-from ssd_trt.batching.policy import CostCurves, LoadPolicy, Yield, batch_bucket, options
+from ssd_trt.batching.policy import Choice, CostCurves, LoadPolicy, Option, Yield, batch_bucket, options
 
 
 def curves(verify_growth: float) -> CostCurves:
@@ -25,51 +26,89 @@ SETTINGS = SSD(draft_len=2, fan_out_budget=4)
 def test_the_model_prefers_speculation_when_verifying_costs_little_and_not_when_it_costs_much():
     measured = Yield(prior_acceptance=0.6)
     cheap = options(SETTINGS, 4, curves(0.0), measured)
-    assert max(cheap, key=lambda n: cheap[n][1]).startswith("ssd")
+    assert max(cheap, key=lambda n: cheap[n].estimate).startswith("ssd")
     dear = options(SETTINGS, 16, curves(1.0), measured)
-    assert max(dear, key=lambda n: dear[n][1]) == "ar"
+    assert max(dear, key=lambda n: dear[n].estimate) == "ar"
     # a miss stalls the whole batch for a just-in-time draft with probability 1 - p_hit^b
     measured.hit_rate = 0.5
     few, many = options(SETTINGS, 1, curves(0.0), measured), options(SETTINGS, 16, curves(0.0), measured)
-    assert few["ssd K=2 jit"][1] / few["ssd K=2 ngram"][1] > many["ssd K=2 jit"][1] / many["ssd K=2 ngram"][1]
+    assert few["ssd K=2 jit"].estimate / few["ssd K=2 ngram"].estimate > \
+        many["ssd K=2 jit"].estimate / many["ssd K=2 ngram"].estimate
 
 
-def test_measured_rates_replace_the_estimates_and_the_runner_up_is_re_measured():
+def ran(name: str, option: Option) -> Choice:
+    """A round of ``option`` (as if the policy had chosen it)."""
+    return Choice(name, option.settings, {}, option)
+
+
+def run(policy: LoadPolicy, batch: int, costs: CostCurves, measured: Yield, slowdown: dict[str, float],
+        rounds: int) -> list[str]:
+    """``rounds`` rounds chosen by ``policy``, each taking the model's time x ``slowdown[option]`` (1 if unset);
+    the options chosen."""
+    names = []
+    for _ in range(rounds):
+        choice = policy.choose(SETTINGS, batch, costs, measured)
+        policy.observe(choice, choice.option.seconds * slowdown.get(choice.name, 1.0))
+        names.append(choice.name)
+    return names
+
+
+def test_measured_slowdowns_correct_the_model_and_the_runner_up_is_re_measured():
     policy, costs, measured = LoadPolicy(), curves(0.0), Yield(prior_acceptance=0.6)
-    assert policy.choose(SETTINGS, 16, costs, measured).name.startswith("ssd")     # the model's pick, untried
-    for name in options(SETTINGS, 16, costs, measured):           # then every option measured: only AR is fast
-        seconds = 0.05 if name == "ar" else 1.0
-        for _ in range(LoadPolicy.MEASURED_AFTER + 1):
-            policy.observe(16, name, tokens=16, seconds=seconds)
-        assert policy.rates[(batch_bucket(16), name)].per_second == pytest.approx(16 / seconds)
-    # "ar" leads by 95%: its runner-up still runs, EXPLORE_ROUNDS in a row, but only every ~380 rounds (1% budget)
-    interval = policy.explore_interval(16 / 1.0, 16 / 0.05)
-    assert interval == 380
-    names = [policy.choose(SETTINGS, 16, costs, measured).name for _ in range(2 * interval + LoadPolicy.EXPLORE_ROUNDS)]
-    runner_up = [i for i, name in enumerate(names) if name != "ar"]
-    assert len(runner_up) == 2 * LoadPolicy.EXPLORE_ROUNDS and len({names[i] for i in runner_up}) == 1
-    assert runner_up[LoadPolicy.EXPLORE_ROUNDS] - runner_up[0] == interval
+    assert policy.choose(SETTINGS, 16, costs, measured).name.startswith("ssd")     # the model's pick
+    # every option measured: speculation's rounds take 20x what the model says (only AR is fast)
+    slow = {name: 20.0 for name in options(SETTINGS, 16, costs, measured) if name != "ar"}
+    for name, option in options(SETTINGS, 16, costs, measured).items():
+        policy.last = None        # (no switch round)
+        for _ in range(LoadPolicy.MEASURED_AFTER):
+            policy.observe(ran(name, option), option.seconds * slow.get(name, 1.0))
+        assert policy.slowdown(batch_bucket(16), name) == pytest.approx(slow.get(name, 1.0))
+    scores = policy.choose(SETTINGS, 16, costs, measured).scores
+    best, runner_up = sorted(scores, key=lambda n: -scores[n])[:2]
+    assert best == "ar"
+    interval = policy.explore_interval(scores[runner_up], scores[best])
+    names = run(policy, 16, costs, measured, slow, 2 * interval + LoadPolicy.EXPLORE_ROUNDS)
+    explored = [i for i, name in enumerate(names) if name != "ar"]
+    assert len(explored) == 2 * LoadPolicy.EXPLORE_ROUNDS and {names[i] for i in explored} == {runner_up}
+    assert explored[LoadPolicy.EXPLORE_ROUNDS] - explored[0] == interval
     # a close runner-up is explored as often as EXPLORE_EVERY allows
     assert policy.explore_interval(0.99, 1.0) == LoadPolicy.EXPLORE_EVERY
     assert batch_bucket(3) == batch_bucket(4) == 4 and batch_bucket(9) == 16
 
 
+def test_a_new_load_starts_from_the_slowdowns_measured_at_the_nearest_one():
+    """An option measured at one batch bucket is scored at another, never run there, by the slowdown measured
+    at the nearest: speculation that measured 3x slower than modelled at 4 rows is not the pick at 8 rows either."""
+    policy, costs, measured = LoadPolicy(), curves(0.0), Yield(prior_acceptance=0.6)
+    slow = {name: 3.0 for name in options(SETTINGS, 4, costs, measured) if name != "ar"}
+    names = run(policy, 4, costs, measured, slow, 200)
+    first = names[0]
+    assert first.startswith("ssd") and names[-20:].count("ar") >= 20 - LoadPolicy.EXPLORE_ROUNDS   # once measured
+    assert policy.slowdown(batch_bucket(8), first) == pytest.approx(3.0)    # (borrowed from 4)
+    at_eight = run(policy, 8, costs, measured, slow, 40)
+    assert at_eight[0] == "ar" and at_eight.count("ar") >= 40 - LoadPolicy.EXPLORE_ROUNDS
+    # without what 4 rows measured, 8 rows would start on the model's pick
+    assert run(LoadPolicy(), 8, costs, measured, slow, 1)[0] != "ar"
+
+
 def test_a_switch_round_is_charged_to_exploring_not_to_the_option():
-    """The round after a switch pays a one-off (the draft catching up): it is kept out of the option's rate and
-    spaces the explorations out instead; a rate is the mean of its first rounds, not the last few."""
-    policy = LoadPolicy()
-    for name, seconds in (("ar", 0.01), ("ssd K=1 jit", 0.012), ("ar", 0.01)):
+    """The round after a switch pays a one-off (the draft catching up): it is kept out of the option's slowdown
+    and spaces the explorations out instead; a slowdown is the mean of its first rounds, not the last few."""
+    policy, costs, measured = LoadPolicy(), curves(0.0), Yield(prior_acceptance=0.6)
+    ar, ssd = (options(SETTINGS, 1, costs, measured)[name] for name in ("ar", "ssd K=1 jit"))
+    for name, option, seconds in (("ar", ar, ar.seconds), ("ssd K=1 jit", ssd, 1.2 * ssd.seconds),
+                                  ("ar", ar, ar.seconds)):
         for _ in range(4):        # (the first round after a switch to an option never measured is dropped)
-            policy.observe(1, name, tokens=1 if name == "ar" else 2, seconds=seconds)
-    policy.observe(1, "ssd K=1 jit", tokens=2, seconds=0.042)       # the switch: 30 ms of catch-up
-    policy.observe(1, "ssd K=1 jit", tokens=1, seconds=0.012)
-    rate = policy.rates[(1, "ssd K=1 jit")]
-    assert rate.rounds == 4 and rate.per_second == pytest.approx(7 / 0.048)
+            policy.observe(ran(name, option), seconds)
+    policy.observe(ran("ssd K=1 jit", ssd), 1.2 * ssd.seconds + 0.030)     # the switch: 30 ms of catch-up
+    policy.observe(ran("ssd K=1 jit", ssd), 1.6 * ssd.seconds)
+    slowdown = policy.slowdowns[(1, "ssd K=1 jit")]
+    assert slowdown.rounds == 4 and slowdown.ratio == pytest.approx((3 * 1.2 + 1.6) / 4)
     # two switches: back to AR cost nothing, to SSD 30 ms (a running average: 0.8 x 0 + 0.2 x 30 ms)
     assert policy.switch_s[1] == pytest.approx(0.006)
-    assert policy.switch_rounds(1, "ar") == pytest.approx(1.2)        # an exploration's 2 switches, in AR rounds
+    assert policy.switch_rounds(1, 0.01) == pytest.approx(1.2)       # an exploration's 2 switches, in 10 ms rounds
     # exploring a runner-up 10% behind: 4 x 0.1 rounds of gap + 1.2 rounds of switching, within a 1% budget
-    assert policy.explore_interval(0.9, 1.0, policy.switch_rounds(1, "ar")) == 160
+    assert policy.explore_interval(0.9, 1.0, policy.switch_rounds(1, 0.01)) == 160
     assert policy.explore_interval(0.9, 1.0) == 40
 
 

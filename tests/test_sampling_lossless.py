@@ -129,7 +129,7 @@ def test_adaptive_ssd_at_one_live_request_is_lossless():
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
     assert tv < 1.5 * floor + 0.005, f"TV {tv:.4f} exceeds the noise-floor threshold ({floor:.4f})"
     [policy] = gen.load_policies.values()
-    ran = {name for (_, name), rate in policy.rates.items() if rate.rounds > 0}
+    ran = {name for (_, name), slowdown in policy.slowdowns.items() if slowdown.rounds > 0}
     assert "ar" in ran and len(ran) >= 3, ran         # rounds with speculation off, and two kinds with it
 
 

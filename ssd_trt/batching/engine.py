@@ -229,11 +229,10 @@ class LLMEngine:
             self._prefill([seq for seq in self._target_rows if seq.unfed is None and not seq.tokens], outputs)
             if self._draft_rows and self.draft_failure is None:      # features the draft's rows lack (EAGLE-3)
                 relay_features(self.generator.engine("draft"), self._draft_rows)
-            tokens, started = self.metrics.generated_tokens, time.perf_counter()
+            started = time.perf_counter()
             run_round(self, plans, outputs)
-            for policy, name in chosen:     # what the round the policy chose produced (prefill excluded)
-                policy.observe(len(self._target_rows), name, self.metrics.generated_tokens - tokens,
-                               time.perf_counter() - started)
+            for policy, choice in chosen:     # how long the round the policy chose took (prefill excluded)
+                policy.observe(choice, time.perf_counter() - started)
             self.metrics.steps += 1
             self.metrics.active_batch = len(self._target_rows)
         for seq in [s for s in self._running if s.finished]:
@@ -276,12 +275,12 @@ class LLMEngine:
         need = max(len(s.prompt) + s.params.max_new_tokens + s.resolved.headroom for s in self._running + [seq])
         return (len(self._running) + 1) * need <= self.kv_budget_tokens
 
-    def _plan(self, running: list[SequenceState]) -> tuple[dict[int, RoundPlan], list[tuple[LoadPolicy, str]]]:
+    def _plan(self, running: list[SequenceState]) -> tuple[dict[int, RoundPlan], list[tuple[LoadPolicy, Choice]]]:
         """How each request runs this round. Adaptive SSD requests (K and budget left to the build) follow the
         load policy for the live batch (``policy.py``); a request that set K runs as set; without a working
         draft, every request runs AR rounds. Also: the policies that chose, and what."""
         batch, plans = len(running), {}
-        choices: dict[SSD, object] = {}
+        choices: dict[SSD, tuple[LoadPolicy, Choice]] = {}
         for seq in running:
             name, settings = seq.resolved.name, seq.resolved.settings
             if name == "ar" or self.draft_failure is not None:
@@ -303,7 +302,7 @@ class LLMEngine:
                                                 **choices[settings][1].scores}
                 chosen = choices[settings][1].settings          # None: speculation paused
                 plans[id(seq)] = RoundPlan("sd" if isinstance(chosen, SD) else "ssd", chosen, settings)
-        return plans, [(policy, choice.name) for policy, choice in choices.values()]
+        return plans, list(choices.values())
 
     def _calibrate(self, settings: list[SSD]) -> None:
         """Time the engines at the step shapes the policy compares, for every batch size up to max_running,

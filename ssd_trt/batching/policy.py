@@ -13,9 +13,9 @@ and ranks them. E[tokens per round] = 1 + p_hit * A_hit(K') + (1 - p_hit) * A_ba
 acceptances A and the hit rate p_hit measured online from the rounds run so far (exponential averages, per K'
 and source; before any round, from the settings' prior acceptance a: A(K') = a + ... + a^K'). The step
 times are measured on the engines (:class:`CostCurves`): each timed once per (batch, tokens) shape when
-first needed, then updated by every round that runs that shape. The model only ranks options not yet
-measured: :class:`LoadPolicy` then goes by each option's measured rate at that load (tokens per second of
-whole rounds, everything included) and keeps re-measuring the runner-up now and then.
+first needed, then updated by every round that runs that shape. What the model leaves out (Python, waiting,
+the draft feeding what it missed) :class:`LoadPolicy` measures: each option's rounds' wall time against the
+model's, per load, and it keeps re-measuring the runner-up now and then.
 """
 from __future__ import annotations
 
@@ -26,14 +26,17 @@ import numpy as np
 
 from ssd_trt.decoding.settings import SD, SSD
 
-EMA = 0.2          # weight of the newest observation in the running averages
+EMA = 0.2          # weight of the newest observation in the running averages of step and switch times
+# ... and in those of a row-round's accepted tokens and of a lookup's hit: a row gains 1 to K+1 tokens per round,
+# so one row-round says little; this remembers about the last 50 (a few requests' worth at batch 1)
+YIELD_EMA = 0.02
 PRIOR_HIT_RATE = 0.7
 TARGET_ALONE = "target alone"     # the cost curve of target steps taken while the draft is idle (Engine.alone)
 
 
-def running_average(old: float | None, new: float) -> float:
+def running_average(old: float | None, new: float, weight: float = EMA) -> float:
     """The exponential running average after ``new`` (``new`` itself as the first value)."""
-    return new if old is None else (1 - EMA) * old + EMA * new
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 @dataclass
@@ -80,10 +83,10 @@ class Yield:
 
     def observe_round(self, draft_len: int, source: str, accepted: int) -> None:
         key = (draft_len, "primary" if source == "primary" else source)
-        self.accepted[key] = running_average(self.accepted.get(key), accepted)
+        self.accepted[key] = running_average(self.accepted.get(key), accepted, YIELD_EMA)
 
     def observe_lookup(self, hit: bool) -> None:
-        self.hit_rate = running_average(self.hit_rate, float(hit))
+        self.hit_rate = running_average(self.hit_rate, float(hit), YIELD_EMA)
 
     def acceptance(self, draft_len: int, source: str) -> float:
         measured = self.accepted.get((draft_len, source))
@@ -94,28 +97,44 @@ class Yield:
 
 
 @dataclass(frozen=True)
+class Option:
+    """One way to run a round of ``rows`` adaptive SSD rows: ``settings`` (SSD: K and the backup; SD: K' drafted
+    in turn with the verification; None: an autoregressive round), the tokens a row is expected to gain per round
+    (from the measured acceptance and hit rate) and the model's seconds per round (from the cost curves)."""
+    settings: SSD | SD | None
+    rows: int
+    tokens: float
+    seconds: float
+
+    @property
+    def estimate(self) -> float:
+        """The model's tokens per second for the batch."""
+        return self.rows * self.tokens / self.seconds
+
+
+@dataclass(frozen=True)
 class Choice:
     """What a round of adaptive SSD rows runs: ``settings`` (SSD: K and the backup; SD: K' drafted in turn with
-    the verification), or None for an autoregressive round; the option's name, and every option's score (tokens
-    per second for the batch)."""
+    the verification; None: an autoregressive round), the option's name, every option's score (tokens per second
+    for the batch) and the option chosen (None for a round run as set, before the engines were timed)."""
     name: str
     settings: SSD | SD | None
     scores: dict[str, float]
+    option: Option | None = None
 
 
-def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield
-            ) -> dict[str, tuple[SSD | SD | None, float]]:
+def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> dict[str, Option]:
     """Every option for ``batch`` live sequences -- no speculation; K' = 1..K drafted in turn with the
-    verification (SD rounds); or K' = 1..K speculated beside it with each allowed backup -- and the model's
-    estimate of its tokens per second (module doc)."""
+    verification (SD rounds); or K' = 1..K speculated beside it with each allowed backup -- with the model's
+    tokens per row and seconds per round (module doc)."""
     def alone(tokens: int) -> float:
         """A target step while the draft is idle: on the draft's cores too (Engine.alone)."""
         return costs.cost(TARGET_ALONE if costs.covers(TARGET_ALONE, batch, tokens) else "target", batch, tokens)
-    out: dict[str, tuple[SSD | SD | None, float]] = {"ar": (None, batch / alone(1))}
+    out: dict[str, Option] = {"ar": Option(None, batch, 1.0, alone(1))}
     for draft_len in range(1, settings.draft_len + 1):
         in_turn = costs.cost("draft", batch, 1) * draft_len + alone(draft_len + 1)
-        out[f"sd K={draft_len}"] = (SD(draft_len=draft_len),
-                                    batch * (1 + measured.acceptance(draft_len, "sd")) / in_turn)
+        out[f"sd K={draft_len}"] = Option(SD(draft_len=draft_len), batch, 1 + measured.acceptance(draft_len, "sd"),
+                                          in_turn)
     p_hit = PRIOR_HIT_RATE if measured.hit_rate is None else measured.hit_rate
     backups = ("jit", "ngram") if settings.backup == "auto" else (settings.backup,)
     for draft_len in range(1, settings.draft_len + 1):
@@ -127,8 +146,8 @@ def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield
             per_round = 1 + p_hit * measured.acceptance(draft_len, "primary") + \
                 (1 - p_hit) * measured.acceptance(draft_len, backup)
             wait = (1 - p_hit ** batch) * costs.cost("draft", batch, 1) * draft_len if backup == "jit" else 0.0
-            out[f"ssd K={draft_len} {backup}"] = (replace(candidate, backup=backup),
-                                                  batch * per_round / (max(verify, speculate) + wait))
+            out[f"ssd K={draft_len} {backup}"] = Option(replace(candidate, backup=backup), batch, per_round,
+                                                        max(verify, speculate) + wait)
     return out
 
 
@@ -137,48 +156,50 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
-RATE_MEMORY = 0.05   # weight of the newest round in an option's rate, once it has 20 rounds (before: their mean)
+SLOWDOWN_MEMORY = 0.05   # weight of the newest round in a slowdown, once it has 20 rounds (before: their mean)
 
 
 @dataclass
-class Rate:
-    """Running average of the tokens a round produced and the seconds it took, for one option at one load. Rounds
-    yield 1 to K+1 tokens, so a short window is noisy: the rate is the plain mean of the first 1 / RATE_MEMORY
-    rounds, then a slow exponential average (options within a few percent of each other are told apart only
-    over tens of rounds)."""
-    tokens: float = 0.0
-    seconds: float = 0.0
+class Slowdown:
+    """How much longer an option's rounds take than the model's step times say: measured seconds over the model's,
+    per round, everything the model leaves out included (Python, waiting for the draft, the draft's feeding of
+    pending tokens). The plain mean of the first 1 / SLOWDOWN_MEMORY rounds, then a slow exponential average."""
+    ratio: float = 1.0
     rounds: int = 0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        weight = max(1.0 / (self.rounds + 1), RATE_MEMORY)
-        self.tokens += weight * (tokens - self.tokens)
-        self.seconds += weight * (seconds - self.seconds)
+    def observe(self, ratio: float) -> None:
+        weight = max(1.0 / (self.rounds + 1), SLOWDOWN_MEMORY)
+        self.ratio += weight * (ratio - self.ratio)
         self.rounds += 1
-
-    @property
-    def per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
 class LoadPolicy:
     """Which option adaptive SSD requests (one settings family) run at each load.
 
-    The model (:func:`options`) ranks the options until an option has been measured ``MEASURED_AFTER`` rounds
-    at this batch bucket; from then on its measured rate (its rounds' tokens and wall time, Python included)
-    stands in for the estimate. Now and then the runner-up (or, first, the best option still unmeasured) runs
-    ``EXPLORE_ROUNDS`` rounds in a row, so a rate measured under other conditions is refreshed and an option the
-    model underrated is found.
+    An option's score is the batch's tokens per second: ``rows * tokens / (model seconds * slowdown)``. The tokens
+    a row gains per round come from the measured acceptance and hit rate (:class:`Yield`; they do not depend on
+    the load, so every bucket shares them). The seconds come from the cost curves, scaled by the option's
+    *measured* slowdown at this batch bucket once it has ``MEASURED_AFTER`` rounds there; until then by its
+    slowdown at the nearest bucket that measured it, or not at all. A round's time varies little, whereas the
+    tokens it yields vary from 1 to K+1 per row: so the measurement that is kept per load is the one that
+    settles in a few rounds, and a new load starts from what the nearest one measured.
+
+    Now and then the runner-up (or, first, the best option not yet measured at this bucket) runs
+    ``EXPLORE_ROUNDS`` rounds in a row, so a slowdown measured under other conditions is refreshed and an option
+    the model underrated is found.
 
     The first round after a switch of option pays for the switch: the draft catches up on what it missed (an
     autoregressive round leaves the draft's core to the target, ``round.py``), or speculation starts afresh. That
-    one-off is not the option's rate, so it is filed apart (``switch_s``: its seconds beyond the option's usual
-    round, averaged over switches either way) and charged where it belongs, to exploring. An exploration costs
-    the gap for its rounds plus two switches, ``EXPLORE_ROUNDS * gap + 2 * switch_s / round`` rounds of the best
-    option (``gap`` = 1 - explored / best), and is spaced to spend at most ``EXPLORE_BUDGET`` of the bucket's
-    throughput, and no more often than every ``EXPLORE_EVERY`` rounds."""
-    rates: dict[tuple[int, str], Rate] = field(default_factory=dict)
+    one-off is not the option's slowdown, so it is filed apart (``switch_s``: its seconds beyond the round's
+    expected time, averaged over switches either way) and charged where it belongs, to exploring. An
+    exploration costs the gap for its rounds plus two switches, ``EXPLORE_ROUNDS * gap + 2 * switch_s / round``
+    rounds of the best option (``gap`` = 1 - explored / best), and is spaced to spend at most ``EXPLORE_BUDGET``
+    of the bucket's throughput, and no more often than every ``EXPLORE_EVERY`` rounds. For the same reason a
+    measured option keeps running while the best is ahead of it by less than a switch costs over
+    ``SWITCH_PAYBACK`` rounds: two options a few percent apart would otherwise trade places with every drift in
+    the acceptance, each trade paying a switch."""
+    slowdowns: dict[tuple[int, str], Slowdown] = field(default_factory=dict)
     rounds: dict[int, int] = field(default_factory=dict)
     explored: dict[int, int] = field(default_factory=dict)     # bucket: its round count at the last exploration
     exploring: dict[int, tuple[str, int]] = field(default_factory=dict)   # bucket: (option, rounds left)
@@ -186,6 +207,7 @@ class LoadPolicy:
     last: str | None = None                                     # the option the last round ran
 
     MEASURED_AFTER = 3
+    SWITCH_PAYBACK = 16
     EXPLORE_EVERY = 16
     EXPLORE_ROUNDS = 4
     EXPLORE_BUDGET = 0.01
@@ -193,38 +215,48 @@ class LoadPolicy:
     def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> Choice:
         bucket = batch_bucket(batch)
         candidates = options(settings, batch, costs, measured)
-        scores = {}
-        for name, (_, estimate) in candidates.items():
-            measured_enough = self.measured_rounds(bucket, name) >= self.MEASURED_AFTER
-            scores[name] = self.rates[(bucket, name)].per_second if measured_enough else estimate
+        scores = {name: option.estimate / self.slowdown(bucket, name) for name, option in candidates.items()}
         ranked = sorted(scores, key=lambda name: -scores[name])
         count = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
-        name = ranked[0]
+        best = ranked[0]
+        switch_rounds = self.switch_rounds(bucket, candidates[best].seconds * self.slowdown(bucket, best))
+        name = best
+        if self.last in scores and self.last != best and \
+                self.measured_rounds(bucket, self.last) >= self.MEASURED_AFTER and \
+                (1 - scores[self.last] / scores[best]) * self.SWITCH_PAYBACK < switch_rounds / 2:
+            name = self.last        # a switch to the best would not pay for itself within SWITCH_PAYBACK rounds
         if bucket in self.exploring:
             name, left = self.exploring.pop(bucket)
             if left > 1:
                 self.exploring[bucket] = (name, left - 1)
         elif len(ranked) > 1:
-            # the best option still only estimated, else the runner-up
+            # the best option not yet measured at this bucket, else the runner-up
             untried = [n for n in ranked[1:] if self.measured_rounds(bucket, n) < self.MEASURED_AFTER]
             candidate = untried[0] if untried else ranked[1]
             if count - self.explored.get(bucket, 0) >= self.explore_interval(
-                    scores[candidate], scores[ranked[0]], self.switch_rounds(bucket, ranked[0])):
+                    scores[candidate], scores[best], switch_rounds):
                 name, self.explored[bucket] = candidate, count
                 self.exploring[bucket] = (name, self.EXPLORE_ROUNDS - 1)
-        return Choice(name, candidates[name][0], {n: round(v, 1) for n, v in scores.items()})
+        return Choice(name, candidates[name].settings, {n: round(v, 1) for n, v in scores.items()}, candidates[name])
 
     def measured_rounds(self, bucket: int, name: str) -> int:
-        rate = self.rates.get((bucket, name))
-        return 0 if rate is None else rate.rounds
+        slowdown = self.slowdowns.get((bucket, name))
+        return 0 if slowdown is None else slowdown.rounds
 
-    def switch_rounds(self, bucket: int, best: str) -> float:
-        """An exploration's two switches (to the runner-up and back), in rounds of the best option (0 until
-        measured)."""
-        rate = self.rates.get((bucket, best))
-        if rate is None or rate.seconds <= 0:
-            return 0.0
-        return 2 * self.switch_s.get(bucket, 0.0) / rate.seconds
+    def slowdown(self, bucket: int, name: str) -> float:
+        """The option's measured slowdown at ``bucket``, else at the nearest bucket that measured it (the smaller
+        on a tie), else 1 (the model as it is)."""
+        measured = [b for (b, n), s in self.slowdowns.items() if n == name and s.rounds >= self.MEASURED_AFTER]
+        if not measured:
+            return 1.0
+        nearest = bucket if bucket in measured else \
+            min(measured, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), b))
+        return self.slowdowns[(nearest, name)].ratio
+
+    def switch_rounds(self, bucket: int, round_s: float) -> float:
+        """An exploration's two switches (to the runner-up and back), in rounds of ``round_s`` seconds (the best
+        option's)."""
+        return 2 * self.switch_s.get(bucket, 0.0) / round_s if round_s > 0 else 0.0
 
     def explore_interval(self, runner_up: float, best: float, switch_rounds: float = 0.0) -> int:
         """Rounds between explorations of a runner-up scoring ``runner_up`` against ``best`` (tokens/s), when a
@@ -233,19 +265,20 @@ class LoadPolicy:
         cost = self.EXPLORE_ROUNDS * gap + max(0.0, switch_rounds)
         return max(self.EXPLORE_EVERY, math.ceil(cost / self.EXPLORE_BUDGET))
 
-    def observe(self, batch: int, name: str, tokens: int, seconds: float) -> None:
-        """A round of option ``name`` at ``batch`` rows made ``tokens`` in ``seconds``."""
-        bucket = batch_bucket(batch)
-        rate = self.rates.get((bucket, name))
+    def observe(self, choice: Choice, seconds: float) -> None:
+        """A round of ``choice`` took ``seconds``."""
+        if choice.option is None:           # (an uncalibrated round: nothing to compare it with)
+            return
+        bucket, name = batch_bucket(choice.option.rows), choice.name
         switched, self.last = self.last is not None and self.last != name, name
         if not switched:
-            self.rates.setdefault((bucket, name), Rate()).observe(tokens, seconds)
-        elif rate is not None:              # (a first round after a switch has nothing to be compared with)
-            extra = seconds - rate.seconds
+            self.slowdowns.setdefault((bucket, name), Slowdown()).observe(seconds / choice.option.seconds)
+        elif (bucket, name) in self.slowdowns:  # (a first round after a switch has nothing to be compared with)
+            extra = seconds - choice.option.seconds * self.slowdowns[(bucket, name)].ratio
             self.switch_s[bucket] = running_average(self.switch_s.get(bucket), extra)
 
     def describe(self) -> dict:
-        return {f"{bucket} {name}": round(rate.per_second, 1) for (bucket, name), rate in sorted(self.rates.items())}
+        return {f"{bucket} {name}": round(s.ratio, 3) for (bucket, name), s in sorted(self.slowdowns.items())}
 
 
 def timed_steps(engine, rows: int, token_counts: list[int], context: int = 32, repeats: int = 3
