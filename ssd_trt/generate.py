@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ssd_trt.detokenize import Detokenizer
 from ssd_trt.errors import SsdTrtError
-from ssd_trt.decoding.settings import AR, DEFAULT_MODE, MODES, SD, SSD, Settings
+from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, settings_from
 from ssd_trt.runtime import BACKENDS, RuntimeOptions
 
 
@@ -65,25 +65,14 @@ def parse_widths(text: str | None) -> tuple[int, ...] | None:
         raise RequestError(f"--tree-widths must be comma-separated integers such as 2,2,1; got {text!r}") from None
 
 
-def mode_settings(mode: str, draft_len: int | None, tree_widths: tuple[int, ...] | None) -> Settings:
-    """The request's settings object from the command line's flags (each flag refused where it means nothing)."""
-    from ssd_trt.errors import RequestError
-    if tree_widths is not None and mode != "sd":
-        raise RequestError(f"--tree-widths verifies a token tree in --mode sd; --mode {mode} has no such tree")
-    if mode == "ar":
-        if draft_len is not None:
-            raise RequestError("--draft-len sets K for --mode sd or ssd; --mode ar drafts nothing")
-        return AR()
-    return SD(draft_len, tree_widths) if mode == "sd" else SSD(draft_len=draft_len)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         import ssd_trt
         params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        settings = mode_settings(args.mode, args.draft_len, parse_widths(args.tree_widths))
+        settings = settings_from(args.mode, lambda name: '--' + name.replace('_', '-'),
+                                 draft_len=args.draft_len, tree_widths=parse_widths(args.tree_widths))
         generator = ssd_trt.load(args.build_dir, RuntimeOptions(backend=args.backend))
         printer = TextPrinter(generator.tokenizer)
         [result] = generator.generate(args.prompt, params, mode=settings, chat=args.chat,

@@ -67,10 +67,17 @@ def test_measured_slowdowns_correct_the_model_and_the_runner_up_is_re_measured()
     best, runner_up = sorted(scores, key=lambda n: -scores[n])[:2]
     assert best == "ar"
     interval = policy.explore_interval(scores[runner_up], scores[best])
-    names = run(policy, 16, costs, measured, slow, 2 * interval + LoadPolicy.EXPLORE_ROUNDS)
+    names = run(policy, 16, costs, measured, slow, 8 * interval)
     explored = [i for i, name in enumerate(names) if name != "ar"]
-    assert len(explored) == 2 * LoadPolicy.EXPLORE_ROUNDS and {names[i] for i in explored} == {runner_up}
-    assert explored[LoadPolicy.EXPLORE_ROUNDS] - explored[0] == interval
+    assert {names[i] for i in explored} == {runner_up}
+    starts = [i for i in explored if i == 0 or names[i - 1] == "ar"]
+    assert all(names[i:i + LoadPolicy.EXPLORE_ROUNDS] == [runner_up] * LoadPolicy.EXPLORE_ROUNDS for i in starts)
+    # each exploration that leaves AR the best doubles the spacing: the policy's price at a steady load shrinks
+    assert [b - a for a, b in zip(starts, starts[1:])] == [2 * interval, 4 * interval]
+    assert policy.confirmed[batch_bucket(16)] == 3
+    # the runner-up turns out fast (as if measured so for long): it becomes the pick, and the spacing starts over
+    policy.slowdowns[(batch_bucket(16), runner_up)].ratio = 0.5
+    assert run(policy, 16, costs, measured, {}, 1) == [runner_up] and policy.confirmed[batch_bucket(16)] == 0
     # a close runner-up is explored as often as EXPLORE_EVERY allows
     assert policy.explore_interval(0.99, 1.0) == LoadPolicy.EXPLORE_EVERY
     assert batch_bucket(3) == batch_bucket(4) == 4 and batch_bucket(9) == 16

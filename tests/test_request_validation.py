@@ -182,6 +182,11 @@ BAD_CLI = {
     "top_p above one": (["--prompt", "w5", "--top-p", "1.5"], "top_p"),
     "top_k negative": (["--prompt", "w5", "--top-k", "-1"], "top_k"),
     "draft_len zero": (["--prompt", "w5", "--draft-len", "0"], "draft_len"),
+    "draft_len for ar": (["--prompt", "w5", "--mode", "ar", "--draft-len", "2"],
+                         "--draft-len applies to mode sd or ssd, not ar (mode ar takes none of them)"),
+    "tree for ssd": (["--prompt", "w5", "--mode", "ssd", "--tree-widths", "2,2"],
+                     "--tree-widths applies to mode sd, not ssd (mode ssd takes --draft-len, --fan-out-budget, "
+                     "--backup)"),
     "undecodable argv": (["--prompt", "w5 \udcff"], "not valid UTF-8"),
     "prompt over max context": (["--prompt", TOO_LONG], "max context is 256"),
     "chat without template": (["--prompt", "w5", "--chat"], "no chat template"),

@@ -36,6 +36,11 @@ MIXED = [{"prompt": p, "max_tokens": n, "mode": m, "temperature": t, "top_p": 0.
                                            (CONCURRENT_PROMPTS[0], 28, "ssd", 0.0), (CONCURRENT_PROMPTS[1], 20, "ar", 0.0),
                                            (CONCURRENT_PROMPTS[2], 18, "ssd", 0.0), (CONCURRENT_PROMPTS[3], 26, "ar", 0.7),
                                            (CONCURRENT_PROMPTS[2], 22, "sd", 0.0)])]
+# per-request decoding options (Triton inputs draft_len, tree_widths, fan_out_budget, backup; the client's flags)
+OPTIONS = {"sd tree": (["--mode", "sd", "--tree-widths", "2,2"], ssd_trt.SD(tree_widths=(2, 2))),
+           "sd K=3": (["--mode", "sd", "--draft-len", "3"], ssd_trt.SD(draft_len=3)),
+           "ssd K=2": (["--mode", "ssd", "--draft-len", "2", "--fan-out-budget", "4", "--backup", "ngram"],
+                       ssd_trt.SSD(draft_len=2, fan_out_budget=4, backup="ngram"))}
 
 
 # -- pieces that need no server ------------------------------------------------------------------
@@ -54,7 +59,7 @@ def test_export_writes_two_models_with_trtllm_tensor_names(smollm2_build, tmp_pa
         (repo / "ssd_trt_nonstream" / "config.pbtxt").read_text()
     assert "decoupled: true" in stream and "decoupled: false" in plain
     for name in ("text_input", "max_tokens", "temperature", "top_p", "top_k", "random_seed", "stream", "mode",
-                 "text_output", "output_ids", "accepted_tokens", "cache_hit_rate"):
+                 "draft_len", "fan_out_budget", "backup", "tree_widths", "text_output", "output_ids", "accepted_tokens", "cache_hit_rate"):
         assert f'name: "{name}"' in stream
     assert str(smollm2_build.resolve()) in stream and (repo / "ssd_trt" / "1" / "model.py").is_file()
     with pytest.raises(ssd_trt.errors.SsdTrtError, match="max-batch-rows"):
@@ -97,6 +102,8 @@ def references(smollm2_build) -> dict[tuple[str, str], list[int]]:
     as_fp32 = {k: float(np.float32(v)) if isinstance(v, float) else v for k, v in SAMPLED.items()}  # wire type
     sampled = ssd_trt.SamplingParams(max_new_tokens=MAX_TOKENS, **as_fp32)
     refs[("sampled", EXACT_PROMPTS[0])] = gen.generate(EXACT_PROMPTS[0], sampled, mode="ar")[0]
+    for name, (_, settings) in OPTIONS.items():
+        refs[(name, EXACT_PROMPTS[1])] = gen.generate(EXACT_PROMPTS[1], params, mode=settings)[0]
     for spec in MIXED:                    # each mixed request alone (greedy, or sampled AR with its seed)
         params = ssd_trt.SamplingParams(max_new_tokens=spec["max_tokens"], temperature=spec["temperature"],
                                         top_p=float(np.float32(spec["top_p"])), seed=spec["seed"])
@@ -159,6 +166,19 @@ def test_greedy_over_triton_equals_generate(server, references, protocol):
             assert stats["accepted_tokens"] >= 0
             assert stats["accepted_tokens"] == 0 if stats["acceptance_rate"] is None else \
                 0 <= stats["acceptance_rate"] <= 1
+
+
+@pytest.mark.slow
+def test_per_request_decoding_options_over_triton_equal_generate_with_them(server, references):
+    """K, SD's token tree, SSD's budget and backup set per request through the model's inputs: the greedy tokens
+    are the target's (every setting is exact), and the request ran as set: its drafts were verified."""
+    for name, (flags, _) in OPTIONS.items():
+        [r] = client(server, "generate", "--protocol", "http", "--prompt", EXACT_PROMPTS[1], "--max-tokens",
+                     str(MAX_TOKENS), *flags, "--json")
+        assert r["error"] is None, (name, r["error"])
+        assert (r["text"], r["token_ids"]) == references[(name, EXACT_PROMPTS[1])], name
+        assert r["token_ids"] == references[("ar", EXACT_PROMPTS[1])][1], name
+        assert r["stats"]["acceptance_rate"] is not None and r["stats"]["accepted_tokens"] > 0, (name, r["stats"])
 
 
 @pytest.mark.slow
@@ -226,6 +246,14 @@ BAD_REQUESTS = [
      "unknown mode 'beam'"),
     ("prompt over max context", [["text_input", "BYTES", "word " * 3000], ["max_tokens", "INT32", 4]],
      "max context"),
+    ("tree for ssd", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4], ["mode", "BYTES", "ssd"],
+                      ["tree_widths", "INT32", [2, 2]]], "input 'tree_widths' applies to mode sd, not ssd"),
+    ("K for ar", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4], ["mode", "BYTES", "ar"],
+                  ["draft_len", "INT32", 2]], "input 'draft_len' applies to mode sd or ssd, not ar"),
+    ("K zero", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4], ["mode", "BYTES", "sd"],
+                ["draft_len", "INT32", 0]], "draft_len (K) must be an integer in 1.."),
+    ("unknown backup", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4], ["backup", "BYTES", "oracle"]],
+     "backup must be auto, jit or ngram"),
 ]
 
 

@@ -195,7 +195,9 @@ class LoadPolicy:
     expected time, averaged over switches either way) and charged where it belongs, to exploring. An
     exploration costs the gap for its rounds plus two switches, ``EXPLORE_ROUNDS * gap + 2 * switch_s / round``
     rounds of the best option (``gap`` = 1 - explored / best), and is spaced to spend at most ``EXPLORE_BUDGET``
-    of the bucket's throughput, and no more often than every ``EXPLORE_EVERY`` rounds. For the same reason a
+    of the bucket's throughput, and no more often than every ``EXPLORE_EVERY`` rounds. Each exploration that
+    leaves the best option the best doubles the spacing (up to 2^MAX_BACKOFF): at a steady load the policy's
+    price tends to nothing, while a change of the best (by an exploration or a drift) resets it. For the same reason a
     measured option keeps running while the best is ahead of it by less than a switch costs over
     ``SWITCH_PAYBACK`` rounds: two options a few percent apart would otherwise trade places with every drift in
     the acceptance, each trade paying a switch."""
@@ -204,6 +206,9 @@ class LoadPolicy:
     explored: dict[int, int] = field(default_factory=dict)     # bucket: its round count at the last exploration
     exploring: dict[int, tuple[str, int]] = field(default_factory=dict)   # bucket: (option, rounds left)
     switch_s: dict[int, float] = field(default_factory=dict)   # bucket: a switch round's extra seconds (average)
+    confirmed: dict[int, int] = field(default_factory=dict)    # bucket: explorations since its best last changed
+    checking: set[int] = field(default_factory=set)            # buckets whose exploration just ended
+    leader: dict[int, str] = field(default_factory=dict)       # bucket: its best option at the last round
     last: str | None = None                                     # the option the last round ran
 
     MEASURED_AFTER = 3
@@ -211,6 +216,7 @@ class LoadPolicy:
     EXPLORE_EVERY = 16
     EXPLORE_ROUNDS = 4
     EXPLORE_BUDGET = 0.01
+    MAX_BACKOFF = 4
 
     def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> Choice:
         bucket = batch_bucket(batch)
@@ -230,13 +236,20 @@ class LoadPolicy:
             if left > 1:
                 self.exploring[bucket] = (name, left - 1)
         elif len(ranked) > 1:
+            if bucket in self.checking:      # an exploration ended (had it changed the best, see below)
+                self.checking.discard(bucket)
+                self.confirmed[bucket] = self.confirmed.get(bucket, 0) + 1
             # the best option not yet measured at this bucket, else the runner-up
             untried = [n for n in ranked[1:] if self.measured_rounds(bucket, n) < self.MEASURED_AFTER]
             candidate = untried[0] if untried else ranked[1]
-            if count - self.explored.get(bucket, 0) >= self.explore_interval(
+            backoff = 2 ** min(self.confirmed.get(bucket, 0), self.MAX_BACKOFF)
+            if count - self.explored.get(bucket, 0) >= backoff * self.explore_interval(
                     scores[candidate], scores[best], switch_rounds):
                 name, self.explored[bucket] = candidate, count
                 self.exploring[bucket] = (name, self.EXPLORE_ROUNDS - 1)
+                self.checking.add(bucket)
+        if self.leader.get(bucket) != best:  # a new best (whatever showed it): explore at the full rate again
+            self.leader[bucket], self.confirmed[bucket] = best, 0
         return Choice(name, candidates[name].settings, {n: round(v, 1) for n, v in scores.items()}, candidates[name])
 
     def measured_rounds(self, bucket: int, name: str) -> int:

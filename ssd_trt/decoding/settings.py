@@ -11,7 +11,7 @@ is defined here once: the size of SSD's tree step and the smallest budget a K al
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Union
+from typing import Any, Callable, ClassVar, Union
 
 from ssd_trt.engines.limits import MAX_DRAFT_LEN
 from ssd_trt.errors import RequestError
@@ -122,3 +122,26 @@ def settings_for(mode: "str | Settings") -> Settings:
         return BY_NAME[mode]()
     raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}, or pass "
                        f"ssd_trt.AR() / SD(...) / SSD(...)")
+
+
+# what a user may set beside a mode's name (the CLI's flags, Triton's inputs), and the modes each applies to
+OPTIONS_BY_MODE: dict[str, tuple[str, ...]] = {"ar": (), "sd": ("draft_len", "tree_widths"),
+                                               "ssd": ("draft_len", "fan_out_budget", "backup")}
+
+
+def settings_from(mode: str, spelled: Callable[[str], str] = str, **options: Any) -> Settings:
+    """The settings object of a mode name and the options a user set beside it (None: not set), each option
+    refused for a mode it means nothing to. ``spelled`` names an option the way the user wrote it (a flag, a
+    Triton input)."""
+    if mode not in BY_NAME:
+        raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    given = {name: value for name, value in options.items() if value is not None}
+    for name in given:
+        takes = [m for m, names in OPTIONS_BY_MODE.items() if name in names]
+        if not takes:
+            raise ValueError(f"{name!r} is not a decoding option ({OPTIONS_BY_MODE})")
+        if mode not in takes:
+            allowed = ", ".join(spelled(n) for n in OPTIONS_BY_MODE[mode]) or "none of them"
+            raise RequestError(f"{spelled(name)} applies to mode {' or '.join(takes)}, not {mode} "
+                               f"(mode {mode} takes {allowed})")
+    return BY_NAME[mode](**given)

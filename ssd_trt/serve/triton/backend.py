@@ -29,9 +29,11 @@ from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.detokenize import Detokenizer
 from ssd_trt.engines.affinity import pin
 from ssd_trt.errors import RequestError, SsdTrtError
+from ssd_trt.decoding.settings import Settings, settings_from
 from ssd_trt.runtime import DEFAULT_MODE, MODES, Generator, RuntimeOptions
 
-OPTIONAL_INPUTS = ("temperature", "top_p", "top_k", "random_seed", "stream", "mode", "chat", "ignore_eos")
+OPTIONAL_INPUTS = ("temperature", "top_p", "top_k", "random_seed", "stream", "mode", "chat", "ignore_eos", "draft_len",
+                   "fan_out_budget", "backup")
 WARMUP_PROMPT = "Hello"
 
 
@@ -40,7 +42,7 @@ class Job:
     """One validated request, in the engine."""
     prompt_ids: list[int]
     params: SamplingParams
-    mode: str
+    mode: Settings
     stream: bool
     sender: Any                     # the request's InferenceResponseSender
     received: float = field(default_factory=time.perf_counter)
@@ -78,6 +80,23 @@ def _stop_words(request, pb_utils) -> tuple[str, ...]:
     return tuple(_text(value, "stop_words") for value in tensor.as_numpy().reshape(-1))
 
 
+def _tree_widths(request, pb_utils) -> tuple[int, ...] | None:
+    """The optional ``tree_widths`` input: children per depth of an SD token tree (checked by ``SD``)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "tree_widths")
+    return None if tensor is None else tuple(int(w) for w in tensor.as_numpy().reshape(-1))
+
+
+def request_settings(values: dict[str, Any], tree_widths: tuple[int, ...] | None) -> Settings:
+    """The request's mode and the decoding options it set (``values``: the optional inputs, None where absent)."""
+    mode = DEFAULT_MODE if values["mode"] is None else _text(values["mode"], "mode").strip().lower()
+    return settings_from(
+        mode, lambda name: f"input '{name}'",
+        draft_len=None if values["draft_len"] is None else int(values["draft_len"]),
+        fan_out_budget=None if values["fan_out_budget"] is None else int(values["fan_out_budget"]),
+        backup=None if values["backup"] is None else _text(values["backup"], "backup").strip().lower(),
+        tree_widths=tree_widths)
+
+
 def parse_request(request, pb_utils, generator: Generator, streaming_model: bool) -> Job:
     """Validate one request completely (so that a batch never fails because of one bad member)."""
     prompt = _text(_one_value(request, pb_utils, "text_input", required=True), "text_input")
@@ -85,9 +104,7 @@ def parse_request(request, pb_utils, generator: Generator, streaming_model: bool
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
     values = {name: _one_value(request, pb_utils, name) for name in OPTIONAL_INPUTS}
-    mode = DEFAULT_MODE if values["mode"] is None else _text(values["mode"], "mode").strip().lower()
-    if mode not in MODES:
-        raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)} (default {DEFAULT_MODE})")
+    mode = request_settings(values, _tree_widths(request, pb_utils))
     stream = bool(values["stream"]) if values["stream"] is not None else False
     if stream and not streaming_model:
         raise RequestError("stream=true needs the decoupled (streaming) model; this is the non-streaming "

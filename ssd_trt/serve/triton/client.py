@@ -44,9 +44,12 @@ class Result:
 
 
 def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    seed: int | None = None, mode: str = "ssd", stream: bool = False,
-                    ignore_eos: bool = False) -> list[tuple[str, str, Any]]:
-    """(name, Triton dtype, value) for one request, TensorRT-LLM backend names."""
+                    seed: int | None = None, mode: str = "ssd", stream: bool = False, ignore_eos: bool = False,
+                    draft_len: int | None = None, fan_out_budget: int | None = None, backup: str | None = None,
+                    tree_widths: list[int] | None = None) -> list[tuple[str, str, Any]]:
+    """(name, Triton dtype, value) for one request, TensorRT-LLM backend names for what they share. The decoding
+    options (K for sd / ssd, SSD's fan-out budget and backup, SD's token tree) are sent only when set: unset,
+    the build's defaults apply (and an ssd request's load policy adapts them)."""
     tensors = [("text_input", "BYTES", prompt), ("max_tokens", "INT32", max_tokens),
                ("temperature", "FP32", temperature), ("top_p", "FP32", top_p), ("top_k", "INT32", top_k),
                ("mode", "BYTES", mode), ("stream", "BOOL", stream)]
@@ -54,14 +57,21 @@ def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_
         tensors.append(("random_seed", "UINT64", seed))
     if ignore_eos:
         tensors.append(("ignore_eos", "BOOL", True))
+    for name, dtype, value in (("draft_len", "INT32", draft_len), ("fan_out_budget", "INT32", fan_out_budget),
+                               ("backup", "BYTES", backup),
+                               ("tree_widths", "INT32", None if tree_widths is None else list(tree_widths))):
+        if value is not None:
+            tensors.append((name, dtype, value))
     return tensors
 
 
 def make_inputs(module, tensors: list[tuple[str, str, Any]]) -> list:
-    """tritonclient InferInputs of shape [1, 1] (``max_batch_size: 1``, as TensorRT-LLM clients send)."""
+    """tritonclient InferInputs of shape [1, 1] (``max_batch_size: 1``, as TensorRT-LLM clients send); a list value
+    (``tree_widths``, several ``stop_words``) of shape [1, n]."""
     inputs = []
     for name, dtype, value in tensors:
-        data = np.array([[value.encode() if isinstance(value, str) else value]], dtype=DTYPES[dtype])
+        values = value if isinstance(value, list) else [value]
+        data = np.array([[v.encode() if isinstance(v, str) else v for v in values]], dtype=DTYPES[dtype])
         item = module.InferInput(name, list(data.shape), dtype)
         item.set_data_from_numpy(data)
         inputs.append(item)
@@ -191,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--draft-len", type=int, help="K, draft tokens per round (sd / ssd); default: the build's")
+    gen.add_argument("--fan-out-budget", type=int, help="ssd: guesses per round for the speculation cache")
+    gen.add_argument("--backup", choices=["auto", "jit", "ngram"], help="ssd: what proposes on a cache miss")
+    gen.add_argument("--tree-widths", type=lambda text: [int(w) for w in text.split(",")],
+                     help="sd: verify a token tree, e.g. 2,2,1 children per depth")
     gen.add_argument("--json", action="store_true", help="one JSON line per request instead of streamed text")
     raw = sub.add_parser("raw", help="send arbitrary tensors: JSON list of [name, dtype, value]")
     raw.add_argument("tensors")
@@ -203,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-tokens", type=int, default=16)
     b.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ssd")
     b.add_argument("--specs", help="JSON list of requests to cycle through instead of --prompt/--mode/--max-tokens "
-                                   "(each: prompt, max_tokens, and optionally mode, temperature, top_p, top_k, seed)")
+                                   "(each: prompt, max_tokens, and optionally mode, temperature, top_p, top_k, seed, "
+                                   "draft_len, fan_out_budget, backup, tree_widths)")
     b.add_argument("--full", action="store_true", help="include every request's result in the JSON")
     for p in (gen, raw, b):
         p.add_argument("--http-url", default="127.0.0.1:8000")
@@ -232,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         for prompt in args.prompt:
             stream = args.protocol == "grpc"
             tensors = request_tensors(prompt, args.max_tokens, args.temperature, args.top_p, args.top_k,
-                                      args.seed, mode, stream)
+                                      args.seed, mode, stream, draft_len=args.draft_len,
+                                      fan_out_budget=args.fan_out_budget, backup=args.backup,
+                                      tree_widths=args.tree_widths)
             if stream:
                 printer = None if args.json else (lambda piece: print(piece, end="", flush=True))
                 result = infer_grpc_stream(args.grpc_url, tensors, on_chunk=printer)

@@ -35,7 +35,11 @@ INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False),
           ("mode", "TYPE_STRING", "[ 1 ]", True),
           ("chat", "TYPE_BOOL", "[ 1 ]", True),
           ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True),
-          ("stop_words", "TYPE_STRING", "[ -1 ]", True))
+          ("stop_words", "TYPE_STRING", "[ -1 ]", True),
+          ("draft_len", "TYPE_INT32", "[ 1 ]", True),
+          ("fan_out_budget", "TYPE_INT32", "[ 1 ]", True),
+          ("backup", "TYPE_STRING", "[ 1 ]", True),
+          ("tree_widths", "TYPE_INT32", "[ -1 ]", True))
 OUTPUTS = (("text_output", "TYPE_STRING", "[ -1 ]"),
            ("output_ids", "TYPE_INT32", "[ -1 ]"),
            ("generated_tokens", "TYPE_INT32", "[ 1 ]"),
