@@ -114,9 +114,27 @@ def test_a_switch_round_is_charged_to_exploring_not_to_the_option():
     # two switches: back to AR cost nothing, to SSD 30 ms (a running average: 0.8 x 0 + 0.2 x 30 ms)
     assert policy.switch_s[1] == pytest.approx(0.006)
     assert policy.switch_rounds(1, 0.01) == pytest.approx(1.2)       # an exploration's 2 switches, in 10 ms rounds
+    # ... and at least what the draft's catching up on its backlog costs (the model's prefill time for it)
+    assert policy.switch_rounds(1, 0.01, catch_up_s=0.05) == pytest.approx(5.0)
+    assert policy.switch_rounds(1, 0.01, catch_up_s=0.001) == pytest.approx(1.2)
     # exploring a runner-up 10% behind: 4 x 0.1 rounds of gap + 1.2 rounds of switching, within a 1% budget
     assert policy.explore_interval(0.9, 1.0, policy.switch_rounds(1, 0.01)) == 160
     assert policy.explore_interval(0.9, 1.0) == 40
+
+
+def test_the_drafts_backlog_spaces_explorations_out():
+    """After autoregressive rounds the draft has to feed every token it missed before the rows can speculate: the
+    policy prices that from the cost curves, so 16 rows that each missed 73 tokens are explored more rarely."""
+    costs, measured = curves(0.0), Yield(prior_acceptance=0.6)
+    slow = {name: 2.0 for name in options(SETTINGS, 16, costs, measured) if name != "ar"}     # AR is the best
+    explorations = []
+    for backlog in (0, 16 * 73):
+        policy = LoadPolicy()
+        for _ in range(3000):
+            choice = policy.choose(SETTINGS, 16, costs, measured, backlog)
+            policy.observe(choice, choice.option.seconds * slow.get(choice.name, 1.0))
+        explorations.append(sum(policy.measured_rounds(16, name) for name in slow))
+    assert explorations[1] < explorations[0]
 
 
 def test_a_curve_never_timed_is_an_error_not_a_guess():

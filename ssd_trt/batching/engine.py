@@ -294,7 +294,8 @@ class LLMEngine:
                     self._calibrate([settings])
                     policy = self._policies.setdefault(settings, LoadPolicy())
                     try:
-                        choice = policy.choose(settings, batch, self.costs, self.yield_of(settings))
+                        choice = policy.choose(settings, batch, self.costs, self.yield_of(settings),
+                                               self._draft_backlog(running, settings))
                     except KeyError:            # no step timed yet (rows were live): as set, until calibrated
                         choice = Choice("as set", settings, {})
                     choices[settings] = (policy, choice)
@@ -303,6 +304,13 @@ class LLMEngine:
                 chosen = choices[settings][1].settings          # None: speculation paused
                 plans[id(seq)] = RoundPlan("sd" if isinstance(chosen, SD) else "ssd", chosen, settings)
         return plans, list(choices.values())
+
+    def _draft_backlog(self, running: list[SequenceState], family: SSD) -> int:
+        """Tokens the draft must feed before the adaptive SSD requests of ``family`` can speculate: what their
+        draft rows missed, and the whole history of those it holds no row for."""
+        drafted = {id(s) for s in self._draft_rows}
+        return sum(len(s.draft_pending) if id(s) in drafted else len(s.prompt) + len(s.tokens)
+                   for s in running if s.adaptive and s.resolved.settings == family)
 
     def _calibrate(self, settings: list[SSD]) -> None:
         """Time the engines at the step shapes the policy compares, for every batch size up to max_running,

@@ -185,16 +185,17 @@ class LoadPolicy:
     tokens it yields vary from 1 to K+1 per row: so the measurement that is kept per load is the one that
     settles in a few rounds, and a new load starts from what the nearest one measured.
 
-    Now and then the runner-up (or, first, the best option not yet measured at this bucket) runs
-    ``EXPLORE_ROUNDS`` rounds in a row, so a slowdown measured under other conditions is refreshed and an option
-    the model underrated is found.
+    Now and then the runner-up runs ``EXPLORE_ROUNDS`` rounds in a row, so a slowdown measured under other
+    conditions (or at another load) is refreshed and an option the model underrated is found. (Options far
+    behind are not measured at every load: with the draft behind, as it is after autoregressive rounds, one
+    exploration costs a prefill of the rows' histories on the draft, several rounds' worth at a large batch.)
 
     The first round after a switch of option pays for the switch: the draft catches up on what it missed (an
     autoregressive round leaves the draft's core to the target, ``round.py``), or speculation starts afresh. That
     one-off is not the option's slowdown, so it is filed apart (``switch_s``: its seconds beyond the round's
     expected time, averaged over switches either way) and charged where it belongs, to exploring. An
     exploration costs the gap for its rounds plus two switches, ``EXPLORE_ROUNDS * gap + 2 * switch_s / round``
-    rounds of the best option (``gap`` = 1 - explored / best), and is spaced to spend at most ``EXPLORE_BUDGET``
+    rounds of the best option (a switch's cost at least the model's time for the draft to feed its backlog) (``gap`` = 1 - explored / best), and is spaced to spend at most ``EXPLORE_BUDGET``
     of the bucket's throughput, and no more often than every ``EXPLORE_EVERY`` rounds. Each exploration that
     leaves the best option the best doubles the spacing (up to 2^MAX_BACKOFF): at a steady load the policy's
     price tends to nothing, while a change of the best (by an exploration or a drift) resets it. For the same reason a
@@ -218,14 +219,19 @@ class LoadPolicy:
     EXPLORE_BUDGET = 0.01
     MAX_BACKOFF = 4
 
-    def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> Choice:
+    def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield, backlog: int = 0) -> Choice:
+        """``backlog``: tokens the draft must feed before these rows can speculate (what it missed while they ran
+        autoregressive rounds, and the prompts of rows it has never seen)."""
         bucket = batch_bucket(batch)
         candidates = options(settings, batch, costs, measured)
         scores = {name: option.estimate / self.slowdown(bucket, name) for name, option in candidates.items()}
         ranked = sorted(scores, key=lambda name: -scores[name])
         count = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         best = ranked[0]
-        switch_rounds = self.switch_rounds(bucket, candidates[best].seconds * self.slowdown(bucket, best))
+        # a switch costs what switches measured here, and at least the draft's catching up on the backlog (a
+        # batched prefill of it: ~the rows' whole histories after a long autoregressive stretch)
+        catch_up_s = costs.cost("draft", batch, math.ceil(backlog / batch)) if backlog else 0.0
+        switch_rounds = self.switch_rounds(bucket, candidates[best].seconds * self.slowdown(bucket, best), catch_up_s)
         name = best
         if self.last in scores and self.last != best and \
                 self.measured_rounds(bucket, self.last) >= self.MEASURED_AFTER and \
@@ -239,9 +245,7 @@ class LoadPolicy:
             if bucket in self.checking:      # an exploration ended (had it changed the best, see below)
                 self.checking.discard(bucket)
                 self.confirmed[bucket] = self.confirmed.get(bucket, 0) + 1
-            # the best option not yet measured at this bucket, else the runner-up
-            untried = [n for n in ranked[1:] if self.measured_rounds(bucket, n) < self.MEASURED_AFTER]
-            candidate = untried[0] if untried else ranked[1]
+            candidate = ranked[1]      # (scored by what the nearest load measured, where this one measured nothing)
             backoff = 2 ** min(self.confirmed.get(bucket, 0), self.MAX_BACKOFF)
             if count - self.explored.get(bucket, 0) >= backoff * self.explore_interval(
                     scores[candidate], scores[best], switch_rounds):
@@ -266,10 +270,10 @@ class LoadPolicy:
             min(measured, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), b))
         return self.slowdowns[(nearest, name)].ratio
 
-    def switch_rounds(self, bucket: int, round_s: float) -> float:
+    def switch_rounds(self, bucket: int, round_s: float, catch_up_s: float = 0.0) -> float:
         """An exploration's two switches (to the runner-up and back), in rounds of ``round_s`` seconds (the best
-        option's)."""
-        return 2 * self.switch_s.get(bucket, 0.0) / round_s if round_s > 0 else 0.0
+        option's): as measured, and at least ``catch_up_s``."""
+        return max(2 * self.switch_s.get(bucket, 0.0), catch_up_s) / round_s if round_s > 0 else 0.0
 
     def explore_interval(self, runner_up: float, best: float, switch_rounds: float = 0.0) -> int:
         """Rounds between explorations of a runner-up scoring ``runner_up`` against ``best`` (tokens/s), when a
