@@ -59,7 +59,8 @@ def test_export_writes_two_models_with_trtllm_tensor_names(smollm2_build, tmp_pa
         (repo / "ssd_trt_nonstream" / "config.pbtxt").read_text()
     assert "decoupled: true" in stream and "decoupled: false" in plain
     for name in ("text_input", "max_tokens", "temperature", "top_p", "top_k", "random_seed", "stream", "mode",
-                 "draft_len", "fan_out_budget", "backup", "tree_widths", "text_output", "output_ids", "accepted_tokens", "cache_hit_rate"):
+                 "draft_len", "fan_out_budget", "backup", "tree_widths", "text_output", "output_ids",
+                 "accepted_tokens", "cache_hit_rate"):
         assert f'name: "{name}"' in stream
     assert str(smollm2_build.resolve()) in stream and (repo / "ssd_trt" / "1" / "model.py").is_file()
     with pytest.raises(ssd_trt.errors.SsdTrtError, match="max-batch-rows"):

@@ -195,13 +195,14 @@ class LoadPolicy:
     one-off is not the option's slowdown, so it is filed apart (``switch_s``: its seconds beyond the round's
     expected time, averaged over switches either way) and charged where it belongs, to exploring. An
     exploration costs the gap for its rounds plus two switches, ``EXPLORE_ROUNDS * gap + 2 * switch_s / round``
-    rounds of the best option (a switch's cost at least the model's time for the draft to feed its backlog) (``gap`` = 1 - explored / best), and is spaced to spend at most ``EXPLORE_BUDGET``
-    of the bucket's throughput, and no more often than every ``EXPLORE_EVERY`` rounds. Each exploration that
-    leaves the best option the best doubles the spacing (up to 2^MAX_BACKOFF): at a steady load the policy's
-    price tends to nothing, while a change of the best (by an exploration or a drift) resets it. For the same reason a
-    measured option keeps running while the best is ahead of it by less than a switch costs over
-    ``SWITCH_PAYBACK`` rounds: two options a few percent apart would otherwise trade places with every drift in
-    the acceptance, each trade paying a switch."""
+    rounds of the best option (``gap`` = 1 - explored / best; a switch costs at least the model's time for the
+    draft to feed its backlog), and is spaced to spend at most ``EXPLORE_BUDGET`` of the bucket's throughput,
+    and no more often than every ``EXPLORE_EVERY`` rounds. Each exploration that leaves the best option the
+    best doubles the spacing (up to 2^MAX_BACKOFF): at a steady load the policy's price tends to nothing, while
+    a change of the best (by an exploration or a drift) resets it. For the same reason a measured option keeps
+    running while the best is ahead of it by less than a switch costs over ``SWITCH_PAYBACK`` rounds: two
+    options a few percent apart would otherwise trade places with every drift in the acceptance, each trade
+    paying a switch."""
     slowdowns: dict[tuple[int, str], Slowdown] = field(default_factory=dict)
     rounds: dict[int, int] = field(default_factory=dict)
     explored: dict[int, int] = field(default_factory=dict)     # bucket: its round count at the last exploration
