@@ -16,8 +16,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from ssd_trt.errors import RecipeError, SsdTrtError
 from ssd_trt.manifest import MANIFEST_NAME, ROLES, SCHEMA_VERSION, Manifest, artifact_entry, write_manifest
 from ssd_trt.recipe import Recipe, load_recipe
@@ -147,6 +145,7 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None, host
     ``host_bytes``: plan against this much host memory instead of what the machine has available now."""
     from tqdm import tqdm
 
+    load_recipe(recipe_path)    # a bad recipe is told at once, not after seconds of importing torch and transformers
     from ssd_trt.models.loading import transformers_progress_bars_off
     bar = tqdm(BUILD_STEPS, desc="build", unit="step", file=sys.stderr)   # made before third-party bars go quiet
     with transformers_progress_bars_off():
@@ -351,8 +350,9 @@ def decoder_config(model):
 TWIN_CAPACITY = 64
 
 
-def validate_native(model, twin: onnx.ModelProto, saved: Path, recipe: Recipe, validate) -> dict:
-    """The rtx flavour (native attention) checked in ONNX Runtime against the torch model.
+def validate_native(model, twin, saved: Path, recipe: Recipe, validate) -> dict:
+    """The rtx flavour (native attention) checked in ONNX Runtime against the torch model (``twin``: an
+    onnx.ModelProto).
 
     Checked through its fp32 twin (the same rewrite of the fp32 trace, at a short static capacity) with the
     ORT flavour's tolerance, and the saved graph in the engine precision must have the twin's exact node
@@ -362,6 +362,7 @@ def validate_native(model, twin: onnx.ModelProto, saved: Path, recipe: Recipe, v
     """
     import tempfile
 
+    import onnx
     engine_graph = onnx.load(str(saved), load_external_data=False)
     same_nodes = [n.op_type for n in engine_graph.graph.node] == [n.op_type for n in twin.graph.node]
     with tempfile.TemporaryDirectory() as scratch:

@@ -86,7 +86,9 @@ def test_cuda_graph_engine_matches_the_cpu_engine_and_stays_lossless():
 
 # ---- the runtime's torch backend ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+# SSD with K and budget set: every round speculates. (Left unset, the load policy would first time the engine at
+# every batch and step size -- on this CPU, through the Triton kernel's interpreter, most of a minute.)
+@pytest.mark.parametrize("mode", ["ar", "sd", SSD(draft_len=2, fan_out_budget=4)], ids=["ar", "sd", "ssd"])
 def test_the_torch_backend_generates_exactly_what_onnx_runtime_does(tiny_pairs, mode):
     from ssd_trt.runtime import RuntimeOptions
     params = SamplingParams(max_new_tokens=12, stop_on_eos=False)

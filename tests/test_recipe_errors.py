@@ -94,3 +94,15 @@ def test_empty_recipe_says_it_is_empty(tmp_path, text):
 def test_missing_recipe_file(tmp_path):
     result = run_build(tmp_path / "absent.yaml")
     assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_bad_recipe_is_told_before_torch_is_imported(tmp_path):
+    """The runtime and the build CLI import torch, transformers and onnx only when they build or run a model, so a
+    mistyped recipe (or ``import ssd_trt`` in a client) answers at once rather than after seconds of imports."""
+    path = recipe(tmp_path, "name: t\n")
+    probe = ("import sys, ssd_trt, ssd_trt.build, ssd_trt.serve.triton.client; "
+             f"code = ssd_trt.build.main([{str(path)!r}]); "
+             "print(code, sorted(m for m in ('torch', 'transformers', 'onnx') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.stdout.split("\n")[-2] == "2 []", (result.stdout, result.stderr[-2000:])
+    assert "field 'target'" in result.stderr

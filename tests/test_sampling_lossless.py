@@ -160,10 +160,13 @@ def test_non_uniform_fan_out_is_lossless():
 
 
 FILTERS = {"top-k 3": dict(top_k=3), "top-p 0.8": dict(top_p=0.8), "top-k 4, top-p 0.9": dict(top_k=4, top_p=0.9)}
+# every strategy with both filters at once (top-k's candidates, then their nucleus: the sparsest q and p), and each
+# filter alone (its own path through filter_logits) with SSD's Saguaro proposals, where q is reshaped after filtering
+FILTERED_STRATEGIES = [("sd chain", "top-k 4, top-p 0.9"), ("sd tree", "top-k 4, top-p 0.9"),
+                       ("ssd ngram", "top-k 4, top-p 0.9")] + [("ssd jit, C=0.5", f) for f in sorted(FILTERS)]
 
 
-@pytest.mark.parametrize("filters", sorted(FILTERS))
-@pytest.mark.parametrize("strategy", ["sd chain", "sd tree", "ssd jit, C=0.5", "ssd ngram"])
+@pytest.mark.parametrize("strategy, filters", FILTERED_STRATEGIES)
 def test_top_k_and_top_p_sampling_is_lossless_in_every_strategy(strategy, filters):
     """With filters the proposal q is sparse (the draft's top-k / nucleus support) and the target's p too;
     verification must divide by exactly that q, and the residual must live on p's support."""

@@ -261,13 +261,15 @@ BAD_REQUESTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, references, protocol):
-    for what, tensors, message in BAD_REQUESTS:
-        [r] = client(server, "raw", json.dumps(tensors), "--protocol", protocol)
-        assert r["error"] and message in r["error"], (what, r["error"])
-        assert "Traceback" not in r["error"]
+    """Every bad request, then a good one, sent one after another by one client."""
     good = [["text_input", "BYTES", EXACT_PROMPTS[0]], ["max_tokens", "INT32", MAX_TOKENS], ["mode", "BYTES", "ar"],
             ["stream", "BOOL", protocol == "grpc"]]
-    [r] = client(server, "raw", json.dumps(good), "--protocol", protocol)
+    *answers, r = client(server, "raw", *(json.dumps(tensors) for _, tensors, _ in BAD_REQUESTS), json.dumps(good),
+                         "--protocol", protocol)
+    assert len(answers) == len(BAD_REQUESTS)
+    for (what, _, message), answer in zip(BAD_REQUESTS, answers):
+        assert answer["error"] and message in answer["error"], (what, answer["error"])
+        assert "Traceback" not in answer["error"]
     assert r["error"] is None and r["token_ids"] == references[("ar", EXACT_PROMPTS[0])][1]
     assert server.ready()
 

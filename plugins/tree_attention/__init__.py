@@ -1,4 +1,5 @@
-"""The ``ssd::tree_attention`` operator: one attention op for prefill, decode, chain and tree steps."""
-from plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference, unpack_tree_mask
+"""The ``ssd::tree_attention`` operator: one attention op for prefill, decode, chain and tree steps.
 
-__all__ = ["pack_tree_mask", "tree_attention_reference", "unpack_tree_mask"]
+``masks`` packs tree masks (numpy only); ``reference`` is the operator's contract in torch; ``triton_kernel`` and
+``trt_plugin`` implement it on a GPU. Nothing is imported here, so importing the masks does not import torch.
+"""

@@ -207,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--tree-widths", type=lambda text: [int(w) for w in text.split(",")],
                      help="sd: verify a token tree, e.g. 2,2,1 children per depth")
     gen.add_argument("--json", action="store_true", help="one JSON line per request instead of streamed text")
-    raw = sub.add_parser("raw", help="send arbitrary tensors: JSON list of [name, dtype, value]")
-    raw.add_argument("tensors")
+    raw = sub.add_parser("raw", help="send arbitrary tensors: a JSON list of [name, dtype, value] per request "
+                                     "(several: sent one after another, one JSON line each)")
+    raw.add_argument("tensors", nargs="+")
     raw.add_argument("--protocol", choices=["http", "grpc"], default="http")
     raw.add_argument("--model")
     b = sub.add_parser("bench", help="concurrent gRPC streaming requests (closed loop); prints a JSON summary")
@@ -236,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
         return 1 if summary["errors"] else 0
     if args.command == "raw":
-        tensors = [tuple(t) for t in json.loads(args.tensors)]
-        if args.protocol == "http":
-            result = infer_http(args.http_url, tensors, args.model or NONSTREAM_MODEL)
-        else:
-            result = infer_grpc_stream(args.grpc_url, tensors, args.model or STREAM_MODEL)
-        print(json.dumps(asdict(result)))
+        for request in args.tensors:
+            tensors = [tuple(t) for t in json.loads(request)]
+            if args.protocol == "http":
+                result = infer_http(args.http_url, tensors, args.model or NONSTREAM_MODEL)
+            else:
+                result = infer_grpc_stream(args.grpc_url, tensors, args.model or STREAM_MODEL)
+            print(json.dumps(asdict(result)), flush=True)
         return 0
     failed = False
     for mode in args.mode or ["ssd"]:
