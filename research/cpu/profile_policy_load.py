@@ -5,8 +5,10 @@
 One ``LLMEngine`` per run over the build: ``--clients`` requests live at a time (a finished one is replaced at
 once), ``--requests`` in all, 64 new tokens each over the report prompts (chat template), EOS ignored. AR and
 adaptive SSD ("ssd", nothing set) alternate ``--repeats`` times on one Generator, so the load policy keeps what it
-measured between SSD runs (as a server does). Then one more SSD run under cProfile. The report: tokens/s of each
-run, which option the policy chose per round, and the profile's top entries by cumulative time.
+measured between SSD runs (as a server does); SD (the build's K) runs beside them for comparison. Then one more SSD
+run under cProfile. The report: tokens/s of each run and the main thread's seconds in ONNX Runtime (the same work
+should take the same time: where it does not, the machine slowed that run), which option the policy chose per round,
+the slowdowns and acceptances it measured, and the profile's top entries by cumulative time.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import io
 import json
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +30,36 @@ from ssd_trt import SamplingParams  # noqa: E402
 from ssd_trt.batching.engine import LLMEngine  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[2] / "ssd_trt" / "bench" / "prompts" / "default.jsonl"
+
+
+class MainThreadOrtTime:
+    """Seconds the main thread spends inside ONNX Runtime's ``run_with_iobinding`` (the target's steps, and the
+    draft's when it runs in turn), and how many calls: the same work in two runs should take the same time, so a
+    run whose ORT seconds per call differ from another's was slowed by the machine, not by the engine step."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def __enter__(self) -> "MainThreadOrtTime":
+        import onnxruntime
+        self._cls = onnxruntime.InferenceSession
+        self._original = original = self._cls.run_with_iobinding
+        timer = self
+
+        def timed(session, *args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                return original(session, *args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return original(session, *args, **kwargs)
+            finally:
+                timer.seconds += time.perf_counter() - started
+                timer.calls += 1
+        self._cls.run_with_iobinding = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cls.run_with_iobinding = self._original
 
 
 def closed_loop(gen, prompts: list[list[int]], mode: str, clients: int, requests: int) -> tuple[float, dict]:
@@ -64,10 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [gen.encode(text, chat=True) for text in texts]
     lines = [f"# {' '.join(sys.argv)}", f"# {args.clients} clients, {args.requests} requests of 64 tokens per run"]
     for repeat in range(args.repeats):
-        ar, _ = closed_loop(gen, prompts, "ar", args.clients, args.requests)
-        ssd, choices = closed_loop(gen, prompts, "ssd", args.clients, args.requests)
-        lines.append(f"repeat {repeat}: ar {ar:.1f} tok/s, ssd {ssd:.1f} tok/s (ssd / ar {ssd / ar:.2f}); "
-                     f"ssd rounds by option: {choices}")
+        rates, chosen, times = {}, {}, {}
+        for mode in ("ar", "sd", "ssd"):
+            with MainThreadOrtTime() as ort:
+                rates[mode], chosen[mode] = closed_loop(gen, prompts, mode, args.clients, args.requests)
+            times[mode] = f"{ort.seconds:.1f} s / {ort.calls} calls"
+        lines.append(f"repeat {repeat}: ar {rates['ar']:.1f} tok/s, sd {rates['sd']:.1f} tok/s, ssd {rates['ssd']:.1f} "
+                     f"tok/s (ssd / ar {rates['ssd'] / rates['ar']:.2f}, sd / ar {rates['sd'] / rates['ar']:.2f}); "
+                     f"ssd rounds by option: {chosen['ssd']}; main thread in ONNX Runtime: {times}")
+    for settings, policy in gen.load_policies.items():      # what the policy measured: slowdown per (bucket, option)
+        lines.append(f"slowdowns ({settings}): {policy.describe()}")
+    for settings, measured in gen.ssd_yields.items():       # tokens accepted per round, per (K, source)
+        lines.append(f"accepted per round ({settings}): "
+                     f"{ {f'{k} {source}': round(v, 2) for (k, source), v in measured.accepted.items()} }, "
+                     f"hit rate {measured.hit_rate if measured.hit_rate is None else round(measured.hit_rate, 3)}")
     profiler = cProfile.Profile()
     profiler.enable()
     ssd, choices = closed_loop(gen, prompts, "ssd", args.clients, args.requests)
