@@ -145,12 +145,12 @@ def build(recipe_path: Path, force: bool = False, root: Path | None = None, host
     ``host_bytes``: plan against this much host memory instead of what the machine has available now."""
     from tqdm import tqdm
 
-    load_recipe(recipe_path)    # a bad recipe is told at once, not after seconds of importing torch and transformers
+    recipe = load_recipe(recipe_path)    # a bad recipe is told at once, before seconds of importing torch
     from ssd_trt.models.loading import transformers_progress_bars_off
     bar = tqdm(BUILD_STEPS, desc="build", unit="step", file=sys.stderr)   # made before third-party bars go quiet
     with transformers_progress_bars_off():
         try:
-            return _build(recipe_path, force, root, bar, host_bytes)
+            return _build(recipe, recipe_path, force, root, bar, host_bytes)
         finally:
             bar.close()
 
@@ -159,7 +159,8 @@ BUILD_STEPS = ["load target", "load draft", "tokenizer", "parity target", "parit
                "export draft", "validate target", "validate draft", "tensorrt"]
 
 
-def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: int | None = None) -> Path:
+def _build(recipe: Recipe, recipe_path: Path, force: bool, root: Path | None, bar,
+           host_bytes: int | None = None) -> Path:
 
     from ssd_trt.export.block_weights import apply_block_weights, model_block_weights
     from ssd_trt.export.host_memory import peak_rss_bytes, release_freed_memory
@@ -171,7 +172,6 @@ def _build(recipe_path: Path, force: bool, root: Path | None, bar, host_bytes: i
     from ssd_trt.trt.build_step import maybe_build_engines
     from ssd_trt.engines.editions import DATACENTER, RTX, editions_for
 
-    recipe = load_recipe(recipe_path)
     root = root or Path.cwd()
     out = recipe.resolved_output_dir(root)
     bases = (recipe_path.parent.resolve(), root)

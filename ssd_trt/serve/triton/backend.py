@@ -26,8 +26,8 @@ import numpy as np
 
 from ssd_trt.batching.engine import LLMEngine, RequestOutput
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.detokenize import Detokenizer
 from ssd_trt.decoding.settings import Settings, settings_from
+from ssd_trt.detokenize import Detokenizer
 from ssd_trt.engines.affinity import pin
 from ssd_trt.errors import RequestError, SsdTrtError
 from ssd_trt.runtime import DEFAULT_MODE, MODES, Generator, RuntimeOptions
