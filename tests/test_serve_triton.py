@@ -221,20 +221,49 @@ def test_mixed_requests_share_rounds_exactly_and_the_engine_metrics_are_exported
             assert (r["token_ids"], r["text"]) == (ids, text), spec
         else:
             assert 0 < len(r["token_ids"]) <= spec["max_tokens"]
-    # the gauges are set by the engine's loop (throttled while it runs, once more when it goes idle), so they may
-    # trail the last response by a moment: read until the acceptance gauge shows the SD request's rounds
+    # the sender thread exports the metrics every 0.5 s and before each final response, so they may trail the
+    # last response by a moment: read until the acceptance gauge shows the SD request's rounds
     deadline = time.monotonic() + 10
     while True:
-        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in server.metrics().splitlines()
-                   if line.startswith("ssd_trt_") and 'model="ssd_trt"' in line}
+        metrics = engine_metrics(server)
         if metrics.get("ssd_trt_acceptance_rate", 0) > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert set(metrics) == {"ssd_trt_acceptance_rate", "ssd_trt_mean_accepted_length", "ssd_trt_cache_hit_rate",
-                            "ssd_trt_active_batch", "ssd_trt_waiting_requests"}, metrics
+                            "ssd_trt_active_batch", "ssd_trt_running_requests", "ssd_trt_waiting_requests",
+                            "ssd_trt_aborted_requests_total"}, metrics
     hit_rate = metrics["ssd_trt_cache_hit_rate"]     # NaN until an SSD round has looked its cache up
     assert 0 < metrics["ssd_trt_acceptance_rate"] <= 1 and (np.isnan(hit_rate) or 0 <= hit_rate <= 1)
     assert metrics["ssd_trt_mean_accepted_length"] > 0 and metrics["ssd_trt_waiting_requests"] == 0
+
+
+
+def engine_metrics(server) -> dict[str, float]:
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in server.metrics().splitlines()
+            if line.startswith("ssd_trt_") and 'model="ssd_trt"' in line}
+
+
+@pytest.mark.slow
+def test_a_cancelled_stream_is_aborted_and_the_next_request_is_exact(server, references):
+    """A client that cancels its streaming request mid-generation (1500 tokens asked, cancelled after 2 chunks):
+    the engine aborts it -- the aborted-requests counter grows by one, nothing is left running -- and the next
+    request is exact."""
+    aborted_before = engine_metrics(server).get("ssd_trt_aborted_requests_total", 0.0)
+    [r] = client(server, "generate", "--protocol", "grpc", "--mode", "ar", "--prompt", EXACT_PROMPTS[0],
+                 "--max-tokens", "1500", "--ignore-eos", "--cancel-after", "2", "--json")
+    assert r["error"].startswith("cancelled by this client") and 2 <= len(r["token_ids"]) < 1500, r
+    deadline = time.monotonic() + 60          # the abort takes a round or two (cancellations are polled every 0.1 s)
+    while True:
+        metrics = engine_metrics(server)
+        if metrics["ssd_trt_aborted_requests_total"] == aborted_before + 1 and \
+                metrics["ssd_trt_running_requests"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert metrics["ssd_trt_aborted_requests_total"] == aborted_before + 1, metrics
+    assert metrics["ssd_trt_running_requests"] == 0, metrics
+    [after] = client(server, "generate", "--protocol", "grpc", "--mode", "ar", "--prompt", EXACT_PROMPTS[0],
+                     "--max-tokens", str(MAX_TOKENS), "--json")
+    assert (after["text"], after["token_ids"]) == references[("ar", EXACT_PROMPTS[0])]
 
 
 BAD_REQUESTS = [

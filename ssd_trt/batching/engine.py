@@ -108,7 +108,9 @@ class EngineMetrics:
     lookups: int = 0
     hits: int = 0
     active_batch: int = 0                # rows in the last round
+    running: int = 0                     # requests admitted and not finished
     waiting: int = 0
+    aborted: int = 0                     # requests stopped by abort()
     last_choice: dict = field(default_factory=dict)
     verify_s: float = 0.0                # the target's forwards
     draft_s: float = 0.0                 # the draft's speculation jobs (overlapping the verification)
@@ -238,6 +240,7 @@ class LLMEngine:
         for seq in [s for s in self._running if s.finished]:
             self._running.remove(seq)
             self._results[seq.request_id] = seq
+        self.metrics.running = len(self._running)
         if not self._running:                  # nothing live: the next request starts on fresh rows
             self._target_rows, self._draft_rows = [], []
             self.draft_failure = None          # and with a fresh draft engine (the failed one was retired)
@@ -257,10 +260,12 @@ class LLMEngine:
         for seq in [s for s in self._waiting if s.request_id in aborts]:
             self._waiting.remove(seq)
             seq.finish("abort")
+            self.metrics.aborted += 1
             self._results[seq.request_id] = seq
             self.emit(outputs, seq, [])
         for seq in [s for s in self._running if s.request_id in aborts and not s.finished]:
             seq.finish("abort")
+            self.metrics.aborted += 1
             self.emit(outputs, seq, [])
             self._running.remove(seq)
             self._results[seq.request_id] = seq

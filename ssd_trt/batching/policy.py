@@ -19,6 +19,8 @@ model's, per load, and it keeps re-measuring the runner-up now and then.
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -45,20 +47,41 @@ class CostCurves:
     then refreshed by every step the engine step runs. Between measured row counts the cost is interpolated
     linearly; a token count never measured is scaled from the nearest one measured (step cost ~ tokens)."""
     seconds: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    # which (rows, tokens) were measured per role, rebuilt when a key is added (the policy asks every round, for
+    # every option: a scan of every key per question cost ~10% of an SSD round at one client)
+    _index: dict[str, tuple[dict[int, list[int]], int]] = field(default_factory=dict, init=False, repr=False,
+                                                                 compare=False)
+    _indexed_keys: int = field(default=-1, init=False, repr=False, compare=False)
+
+    def _measured(self, role: str) -> tuple[dict[int, list[int]], int]:
+        """For ``role``: the row counts measured per token count (ascending), and the most rows measured."""
+        if self._indexed_keys != len(self.seconds):        # keys are only ever added
+            by_role: dict[str, dict[int, list[int]]] = {}
+            for name, rows, tokens in self.seconds:
+                by_role.setdefault(name, {}).setdefault(tokens, []).append(rows)
+            self._index = {name: ({t: sorted(r) for t, r in by_tokens.items()},
+                                  max(max(r) for r in by_tokens.values())) for name, by_tokens in by_role.items()}
+            self._indexed_keys = len(self.seconds)
+        return self._index.get(role, ({}, 0))
 
     def covers(self, role: str, rows: int, tokens: int) -> bool:
-        return any(key[0] == role and key[2] == tokens for key in self.seconds) and \
-            max((key[1] for key in self.seconds if key[0] == role), default=0) >= rows
+        by_tokens, most_rows = self._measured(role)
+        return tokens in by_tokens and most_rows >= rows
 
     def cost(self, role: str, rows: int, tokens: int) -> float:
-        measured = sorted({key[2] for key in self.seconds if key[0] == role})
-        if not measured:
+        by_tokens, _ = self._measured(role)
+        if not by_tokens:
             raise KeyError(f"no {role} step was timed")
-        nearest = min(measured, key=lambda t: (abs(t - tokens), -t))
+        nearest = tokens if tokens in by_tokens else min(by_tokens, key=lambda t: (abs(t - tokens), -t))
         scale = 1.0 if nearest == tokens else tokens / nearest
-        points = sorted((key[1], value) for key, value in self.seconds.items() if key[0] == role and key[2] == nearest)
-        xs, ys = [x for x, _ in points], [y for _, y in points]
-        return float(np.interp(rows, xs, ys)) * scale
+        xs = by_tokens[nearest]
+        ys = [self.seconds[(role, x, nearest)] for x in xs]
+        if rows <= xs[0]:
+            return ys[0] * scale
+        if rows >= xs[-1]:
+            return ys[-1] * scale
+        i = bisect.bisect_right(xs, rows)
+        return (ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])) * scale
 
     def observe(self, role: str, rows: int, tokens: int, seconds: float) -> None:
         key = (role, rows, tokens)
@@ -133,12 +156,12 @@ def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> di
     out: dict[str, Option] = {"ar": Option(None, batch, 1.0, alone(1))}
     for draft_len in range(1, settings.draft_len + 1):
         in_turn = costs.cost("draft", batch, 1) * draft_len + alone(draft_len + 1)
-        out[f"sd K={draft_len}"] = Option(SD(draft_len=draft_len), batch, 1 + measured.acceptance(draft_len, "sd"),
+        out[f"sd K={draft_len}"] = Option(sd_option(draft_len), batch, 1 + measured.acceptance(draft_len, "sd"),
                                           in_turn)
     p_hit = PRIOR_HIT_RATE if measured.hit_rate is None else measured.hit_rate
     backups = ("jit", "ngram") if settings.backup == "auto" else (settings.backup,)
     for draft_len in range(1, settings.draft_len + 1):
-        candidate = replace(settings, draft_len=draft_len, fan_out_budget=max(settings.fan_out_budget, draft_len + 1))
+        candidate = ssd_option(settings, draft_len, settings.backup)
         verify = costs.cost("target", batch, draft_len + 1)
         speculate = costs.cost("draft", batch, candidate.tree_tokens) * draft_len + \
             costs.cost("draft", batch, draft_len + 1)
@@ -146,9 +169,23 @@ def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> di
             per_round = 1 + p_hit * measured.acceptance(draft_len, "primary") + \
                 (1 - p_hit) * measured.acceptance(draft_len, backup)
             wait = (1 - p_hit ** batch) * costs.cost("draft", batch, 1) * draft_len if backup == "jit" else 0.0
-            out[f"ssd K={draft_len} {backup}"] = Option(replace(candidate, backup=backup), batch, per_round,
+            out[f"ssd K={draft_len} {backup}"] = Option(ssd_option(settings, draft_len, backup), batch, per_round,
                                                         max(verify, speculate) + wait)
     return out
+
+
+# The settings of an option, made once: validating a settings object costs more than scoring the option, and
+# the policy asks for the same few every round. (Pure functions of frozen settings: the caches hold no state.)
+@functools.lru_cache(maxsize=1024)
+def sd_option(draft_len: int) -> SD:
+    return SD(draft_len=draft_len)
+
+
+@functools.lru_cache(maxsize=1024)
+def ssd_option(settings: SSD, draft_len: int, backup: str) -> SSD:
+    """``settings`` speculating K' = ``draft_len`` with ``backup`` (the budget at least K' + 1)."""
+    return replace(settings, draft_len=draft_len, fan_out_budget=max(settings.fan_out_budget, draft_len + 1),
+                   backup=backup)
 
 
 def batch_bucket(batch: int) -> int:

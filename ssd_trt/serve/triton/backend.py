@@ -35,6 +35,7 @@ from ssd_trt.runtime import DEFAULT_MODE, MODES, Generator, RuntimeOptions
 OPTIONAL_INPUTS = ("temperature", "top_p", "top_k", "random_seed", "stream", "mode", "chat", "ignore_eos", "draft_len",
                    "fan_out_budget", "backup")
 WARMUP_PROMPT = "Hello"
+CANCEL_POLL_S = 0.1     # how often the sender thread asks the server which requests their clients cancelled
 
 
 @dataclass
@@ -136,9 +137,8 @@ class StepLoop:
     """One thread that runs the engine's steps while any request is unfinished, and sleeps otherwise."""
 
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
-                 on_idle: Callable[[], None], on_error: Callable[[BaseException], None],
-                 cores: tuple[int, ...] | None) -> None:
-        self.engine, self.on_outputs, self.on_idle, self.on_error, self.cores = engine, on_outputs, on_idle, on_error, cores
+                 on_error: Callable[[BaseException], None], cores: tuple[int, ...] | None) -> None:
+        self.engine, self.on_outputs, self.on_error, self.cores = engine, on_outputs, on_error, cores
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="ssd-trt-step", daemon=True)
@@ -165,43 +165,55 @@ class StepLoop:
                     self.on_error(exc)
                     continue
                 self.on_outputs(outputs)
-            self.on_idle()
             if self._stopping:
                 return
 
 
-METRICS = {   # name: (description, what of EngineMetrics it reports)
-    "ssd_trt_acceptance_rate": ("accepted / drafted tokens over every speculative round so far", "acceptance_rate"),
+METRICS = {   # name: (description, what of EngineMetrics it reports, gauge or counter)
+    "ssd_trt_acceptance_rate": ("accepted / drafted tokens over every speculative round so far", "acceptance_rate",
+                                "gauge"),
     "ssd_trt_mean_accepted_length": ("drafted tokens accepted per speculative round (the bonus token not counted)",
-                                     "mean_accepted"),
-    "ssd_trt_cache_hit_rate": ("SSD speculation-cache hits per lookup", "cache_hit_rate"),
-    "ssd_trt_active_batch": ("requests decoded together in the last round", "active_batch"),
-    "ssd_trt_waiting_requests": ("requests waiting for a free slot", "waiting"),
+                                     "mean_accepted", "gauge"),
+    "ssd_trt_cache_hit_rate": ("SSD speculation-cache hits per lookup", "cache_hit_rate", "gauge"),
+    "ssd_trt_active_batch": ("requests decoded together in the last round", "active_batch", "gauge"),
+    "ssd_trt_running_requests": ("requests being decoded (admitted, not finished)", "running", "gauge"),
+    "ssd_trt_waiting_requests": ("requests waiting for a free slot", "waiting", "gauge"),
+    "ssd_trt_aborted_requests_total": ("requests stopped before their end (their client cancelled or went away)",
+                                       "aborted", "counter"),
 }
+METRICS_EVERY_S = 0.5   # each update is a message to the server per metric: at most this often
 
 
 class EngineGauges:
-    """The engine's totals as Triton gauges (``pb_utils.MetricFamily``), refreshed after each step."""
+    """The engine's totals as Triton metrics (``pb_utils.MetricFamily``): gauges set, counters incremented by
+    what the engine's total grew since the last update."""
 
     def __init__(self, pb_utils, model: str) -> None:
         family = getattr(pb_utils, "MetricFamily", None)
-        self.gauges = {}
+        self.metrics: dict = {}
+        self.exported: dict[str, float] = {}
         if family is None:                    # a stub without custom metrics: nothing to export
             return
-        self.families = {name: family(name=name, description=description, kind=family.GAUGE)
-                         for name, (description, _) in METRICS.items()}
-        self.gauges = {name: f.Metric(labels={"model": model}) for name, f in self.families.items()}
+        self.families = {name: family(name=name, description=description,
+                                      kind=family.COUNTER if kind == "counter" else family.GAUGE)
+                         for name, (description, _, kind) in METRICS.items()}
+        self.metrics = {name: f.Metric(labels={"model": model}) for name, f in self.families.items()}
 
-    def update(self, metrics, every_s: float = 0.0) -> None:
-        """Set the gauges (each set is a message to the server: at most once per ``every_s`` seconds)."""
-        now = time.perf_counter()
-        if now - getattr(self, "_last", -every_s) < every_s:
-            return
-        self._last = now
-        for name, (_, attribute) in METRICS.items():
-            if name in self.gauges:
-                value = getattr(metrics, attribute)
-                self.gauges[name].set(float("nan") if value is None else float(value))
+    def update(self, metrics) -> None:
+        """Export what changed since the last update."""
+        for name, (_, attribute, kind) in METRICS.items():
+            if name not in self.metrics:
+                continue
+            value = getattr(metrics, attribute)
+            value = float("nan") if value is None else float(value)
+            last = self.exported.get(name)
+            if last is not None and (value == last or (value != value and last != last)):
+                continue
+            if kind == "counter":
+                self.metrics[name].increment(value - (last or 0.0))
+            else:
+                self.metrics[name].set(value)
+            self.exported[name] = value
 
 
 class ModelServer:
@@ -221,7 +233,7 @@ class ModelServer:
         self._outbox: queue.Queue = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name="ssd-trt-send", daemon=True)
         self._sender.start()
-        self.loop = StepLoop(self.engine, self._deliver, self._idle, self.fail_all, generator.options.target_cores)
+        self.loop = StepLoop(self.engine, self._deliver, self.fail_all, generator.options.target_cores)
 
     @classmethod
     def from_config(cls, model_config: dict, pb_utils) -> "ModelServer":
@@ -278,43 +290,22 @@ class ModelServer:
 
     # -- the loop's callbacks (the step thread) -------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Stream each request's new text; finish the finished ones; abort the ones whose client went away."""
-        self.gauges.update(self.engine.metrics, every_s=0.5)
+        """Hand each request's new tokens (and the finished ones' results) to the sender thread: everything that
+        talks to the server -- detokenizing, building and sending responses, asking whether a client cancelled --
+        happens there, so none of it delays the next round."""
         for output in outputs:
             with self._lock:
                 job = self.jobs.get(output.request_id)
+                if job is not None and output.finished:
+                    del self.jobs[output.request_id]
             if job is None:
                 continue
-            if job.stream and output.new_tokens and not output.finished:
-                self._send(job, self._response(job.detokenizer.push(output.new_tokens), output.new_tokens))
             if output.finished:
-                self._finish(output, job)
-        with self._lock:
-            live = list(self.jobs.items())
-        for request_id, job in live:
-            cancelled = getattr(job.sender, "is_cancelled", None)
-            if job.gone or (cancelled is not None and cancelled()):
-                job.gone = True
-                self.engine.abort(request_id)
+                self._outbox.put((job, "final", (output.new_tokens, self.engine.take_result(output.request_id))))
+            elif job.stream and output.new_tokens:
+                self._outbox.put((job, "chunk", output.new_tokens))
 
-    def _finish(self, output: RequestOutput, job: Job) -> None:
-        with self._lock:
-            self.jobs.pop(output.request_id, None)
-        seq = self.engine.take_result(output.request_id)
-        if seq.finish_reason == "abort":
-            self._send(job, self._error(RequestError("request cancelled by the client"), "CANCELLED"), final=True)
-            return
-        text = seq.text(lambda t: self.generator.tokenizer.decode(t, skip_special_tokens=True))
-        stats = request_stats(seq.stats.summary(), len(seq.tokens))
-        if job.stream:       # the last tokens' text, up to the end of the final (possibly cut) text
-            self._send(job, self._response(job.detokenizer.finish(text), output.new_tokens, stats), final=True)
-        else:
-            self._send(job, self._response(text, seq.tokens, stats), final=True)
-
-    def _idle(self) -> None:
-        self.gauges.update(self.engine.metrics)
-
-    # -- responses -----------------------------------------------------------------------------
+    # -- responses (the sender thread) --------------------------------------------------------------
     def _error(self, exc: BaseException, code: str | None = None):
         """An error response: INVALID_ARG for bad requests, INTERNAL otherwise (or ``code``)."""
         code = code or ("INVALID_ARG" if isinstance(exc, (RequestError, ValueError)) else "INTERNAL")
@@ -326,22 +317,86 @@ class ModelServer:
     def _fail(self, sender, exc: BaseException) -> None:
         sender.send(self._error(exc), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _send(self, job: Job, response, final: bool = False) -> None:
-        """Queue a response for the sender thread: the step loop goes on computing while it is delivered."""
-        if not job.gone:
-            self._outbox.put((job, response, final))
-
     def _send_loop(self) -> None:
-        """Deliver queued responses in order; a failure (e.g. a cancelled request) never disturbs the others."""
-        while (item := self._outbox.get()) is not None:
-            job, response, final = item
-            if job.gone:
-                continue
+        """Deliver what the step loop queued, in each request's order; abort the requests whose client cancelled
+        (or went away), checked every ``CANCEL_POLL_S`` (asking the server is a round trip between processes, too
+        slow to make for every request in every round); export the engine's metrics every ``METRICS_EVERY_S``.
+
+        What queued up while the last responses were being sent goes out as one response per request (its
+        chunks joined): under load a stream gets fewer, larger chunks instead of falling behind the engine."""
+        polled = exported = time.perf_counter()
+        while True:
             try:
-                job.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-            except Exception as exc:  # noqa: BLE001
+                items = [self._outbox.get(timeout=CANCEL_POLL_S)]
+            except queue.Empty:
+                items = []
+            while True:
+                try:
+                    items.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in items
+            by_job: dict[int, tuple[Job, list]] = {}
+            for item in items:
+                if item is not None:
+                    by_job.setdefault(id(item[0]), (item[0], []))[1].append(item[1:])
+            for job, entries in by_job.values():
+                self._send_entries(job, entries)
+            if stop:
+                return
+            now = time.perf_counter()
+            if now - polled >= CANCEL_POLL_S:
+                polled = now
+                self._abort_cancelled()
+            if now - exported >= METRICS_EVERY_S:
+                exported = now
+                self.gauges.update(self.engine.metrics)
+
+    def _send_entries(self, job: Job, entries: list[tuple[str, Any]]) -> None:
+        """One response for a request's queued entries: its chunks' tokens joined, the final response (or
+        error) last; nothing for a request whose client is gone."""
+        tokens: list[int] = []
+        for kind, payload in entries:
+            if job.gone:
+                return
+            if kind == "chunk":
+                tokens += payload
+            elif kind == "error":
+                self._send_now(job, self._error(payload), final=True)
+                return
+            else:
+                new_tokens, seq = payload
+                self.gauges.update(self.engine.metrics)    # a client that got its answer reads metrics that count it
+                self._send_now(job, self._final_response(job, tokens + new_tokens, seq), final=True)
+                return
+        if tokens:
+            self._send_now(job, self._response(job.detokenizer.push(tokens), tokens))
+
+    def _final_response(self, job: Job, new_tokens: list[int], seq):
+        if seq.finish_reason == "abort":
+            return self._error(RequestError("request cancelled by the client"), "CANCELLED")
+        text = seq.text(lambda t: self.generator.tokenizer.decode(t, skip_special_tokens=True))
+        stats = request_stats(seq.stats.summary(), len(seq.tokens))
+        if job.stream:       # the last tokens' text, up to the end of the final (possibly cut) text
+            return self._response(job.detokenizer.finish(text), new_tokens, stats)
+        return self._response(text, seq.tokens, stats)
+
+    def _send_now(self, job: Job, response, final: bool = False) -> None:
+        """A failure (e.g. a cancelled request) marks the request gone and never disturbs the others."""
+        try:
+            job.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as exc:  # noqa: BLE001
+            job.gone = True
+            self.log(f"ssd_trt: dropping a request whose response could not be sent ({exc})")
+
+    def _abort_cancelled(self) -> None:
+        with self._lock:
+            live = list(self.jobs.items())
+        for request_id, job in live:
+            cancelled = getattr(job.sender, "is_cancelled", None)
+            if job.gone or (cancelled is not None and cancelled()):
                 job.gone = True
-                self.log(f"ssd_trt: dropping a request whose response could not be sent ({exc})")
+                self.engine.abort(request_id)
 
     def _response(self, text: str, token_ids: list[int], stats: dict | None = None):
         tensors = [self.pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
@@ -361,4 +416,4 @@ class ModelServer:
             jobs, self.jobs = self.jobs, {}
         for request_id, job in jobs.items():
             self.engine.abort(request_id)
-            self._send(job, self._error(exc), final=True)
+            self._outbox.put((job, "error", exc))

@@ -46,7 +46,7 @@ class Result:
 def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     seed: int | None = None, mode: str = "ssd", stream: bool = False, ignore_eos: bool = False,
                     draft_len: int | None = None, fan_out_budget: int | None = None, backup: str | None = None,
-                    tree_widths: list[int] | None = None) -> list[tuple[str, str, Any]]:
+                    tree_widths: list[int] | None = None, chat: bool = False) -> list[tuple[str, str, Any]]:
     """(name, Triton dtype, value) for one request, TensorRT-LLM backend names for what they share. The decoding
     options (K for sd / ssd, SSD's fan-out budget and backup, SD's token tree) are sent only when set: unset,
     the build's defaults apply (and an ssd request's load policy adapts them)."""
@@ -57,6 +57,8 @@ def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_
         tensors.append(("random_seed", "UINT64", seed))
     if ignore_eos:
         tensors.append(("ignore_eos", "BOOL", True))
+    if chat:
+        tensors.append(("chat", "BOOL", True))
     for name, dtype, value in (("draft_len", "INT32", draft_len), ("fan_out_budget", "INT32", fan_out_budget),
                                ("backup", "BYTES", backup),
                                ("tree_widths", "INT32", None if tree_widths is None else list(tree_widths))):
@@ -114,18 +116,28 @@ def infer_http(url: str, tensors: list[tuple[str, str, Any]], model: str = NONST
     return out
 
 
-def infer_grpc_stream(url: str, tensors: list[tuple[str, str, Any]], model: str = STREAM_MODEL,
-                      on_chunk: Callable[[str], None] | None = None, timeout: float = 600.0) -> Result:
-    """One request over a gRPC bidirectional stream; returns when the final response arrives."""
-    import tritonclient.grpc as grpcclient
-    responses: queue.Queue = queue.Queue()
-    out, started = Result(), time.perf_counter()
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
-        client.async_stream_infer(model, make_inputs(grpcclient, tensors), enable_empty_final_response=True)
+class GrpcStream:
+    """A gRPC bidirectional stream to the decoupled model, on which a client sends its requests one after another.
+    A client keeps its stream (a fresh connection per request costs the client a channel and a thread, on the
+    server's cores when both run on one machine)."""
+
+    def __init__(self, url: str, model: str = STREAM_MODEL) -> None:
+        import tritonclient.grpc as grpcclient
+        self.model, self._module = model, grpcclient
+        self._responses: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=lambda result, error: self._responses.put((result, error,
+                                                                                     time.perf_counter())))
+
+    def infer(self, tensors: list[tuple[str, str, Any]], on_chunk: Callable[[str], None] | None = None,
+              timeout: float = 600.0, cancel_after: int | None = None) -> Result:
+        """One request; returns when its final response arrives. ``cancel_after``: cancel the request once that
+        many chunks of tokens have arrived (this closes the stream: the request's result is what arrived, with
+        ``error`` saying it was cancelled)."""
+        out, started = Result(), time.perf_counter()
+        self.client.async_stream_infer(self.model, make_inputs(self._module, tensors), enable_empty_final_response=True)
         while True:
-            result, error, at = responses.get(timeout=timeout)
+            result, error, at = self._responses.get(timeout=timeout)
             if error is not None:
                 out.error = error.message() if hasattr(error, "message") else str(error)
                 break
@@ -138,11 +150,30 @@ def infer_grpc_stream(url: str, tensors: list[tuple[str, str, Any]], model: str 
             final = result.get_response().parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 break
+            if cancel_after is not None and out.chunks >= cancel_after:
+                self.client.stop_stream(cancel_requests=True)
+                out.error = f"cancelled by this client after {out.chunks} chunk(s)"
+                break
         out.latency_s = time.perf_counter() - started
-    finally:
-        client.stop_stream()
-        client.close()
-    return out
+        return out
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+    def __enter__(self) -> "GrpcStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def infer_grpc_stream(url: str, tensors: list[tuple[str, str, Any]], model: str = STREAM_MODEL,
+                      on_chunk: Callable[[str], None] | None = None, timeout: float = 600.0,
+                      cancel_after: int | None = None) -> Result:
+    """One request over its own gRPC stream (:class:`GrpcStream`)."""
+    with GrpcStream(url, model) as stream:
+        return stream.infer(tensors, on_chunk, timeout, cancel_after)
 
 
 def bench(url: str, specs: list[dict[str, Any]], concurrency: int, repeat: int = 1) -> dict[str, Any]:
@@ -154,11 +185,12 @@ def bench(url: str, specs: list[dict[str, Any]], concurrency: int, repeat: int =
     barrier = threading.Barrier(concurrency)
 
     def client(worker: int) -> None:
-        barrier.wait()
-        for r in range(repeat):
-            index = worker * repeat + r
-            spec = specs[index % len(specs)]
-            results[index] = infer_grpc_stream(url, request_tensors(**{**spec, "stream": True}))
+        with GrpcStream(url) as stream:                 # each client keeps its connection, as serving clients do
+            barrier.wait()
+            for r in range(repeat):
+                index = worker * repeat + r
+                spec = specs[index % len(specs)]
+                results[index] = stream.infer(request_tensors(**{**spec, "stream": True}))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client, args=(w,)) for w in range(concurrency)]
@@ -207,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--tree-widths", type=lambda text: [int(w) for w in text.split(",")],
                      help="sd: verify a token tree, e.g. 2,2,1 children per depth")
     gen.add_argument("--json", action="store_true", help="one JSON line per request instead of streamed text")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens whatever they are")
+    gen.add_argument("--cancel-after", type=int, metavar="CHUNKS",
+                     help="grpc: cancel each request once this many chunks of tokens arrived")
     raw = sub.add_parser("raw", help="send arbitrary tensors: a JSON list of [name, dtype, value] per request "
                                      "(several: sent one after another, one JSON line each)")
     raw.add_argument("tensors", nargs="+")
@@ -220,12 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ssd")
     b.add_argument("--specs", help="JSON list of requests to cycle through instead of --prompt/--mode/--max-tokens "
                                    "(each: prompt, max_tokens, and optionally mode, temperature, top_p, top_k, seed, "
-                                   "draft_len, fan_out_budget, backup, tree_widths)")
+                                   "draft_len, fan_out_budget, backup, tree_widths, chat)")
     b.add_argument("--full", action="store_true", help="include every request's result in the JSON")
     for p in (gen, raw, b):
         p.add_argument("--http-url", default="127.0.0.1:8000")
         p.add_argument("--grpc-url", default="127.0.0.1:8001")
     args = parser.parse_args(argv)
+    if args.command == "generate" and args.cancel_after is not None and \
+            (args.protocol != "grpc" or args.cancel_after < 1):
+        parser.error("--cancel-after needs --protocol grpc (streaming) and a count >= 1")
 
     if args.command == "bench":
         specs = json.loads(args.specs) if args.specs else \
@@ -252,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             tensors = request_tensors(prompt, args.max_tokens, args.temperature, args.top_p, args.top_k,
                                       args.seed, mode, stream, draft_len=args.draft_len,
                                       fan_out_budget=args.fan_out_budget, backup=args.backup,
-                                      tree_widths=args.tree_widths)
+                                      tree_widths=args.tree_widths, chat=args.chat, ignore_eos=args.ignore_eos)
             if stream:
                 printer = None if args.json else (lambda piece: print(piece, end="", flush=True))
-                result = infer_grpc_stream(args.grpc_url, tensors, on_chunk=printer)
+                result = infer_grpc_stream(args.grpc_url, tensors, on_chunk=printer, cancel_after=args.cancel_after)
             else:
                 result = infer_http(args.http_url, tensors)
             failed |= result.error is not None

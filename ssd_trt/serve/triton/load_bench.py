@@ -54,11 +54,12 @@ def run_client(server, *args: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int, passes: int) -> dict[str, Any]:
+def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int, passes: int,
+            concurrencies: tuple[int, ...] = CONCURRENCIES) -> dict[str, Any]:
     from tqdm import tqdm
     # modes interleaved at each concurrency, and the whole sweep run ``passes`` times: the machine's speed drifts
     # over minutes, so the modes are compared side by side and every point sees the drift of the whole run
-    points = [(mode, c) for c in CONCURRENCIES for mode in MODES]
+    points = [(mode, c) for c in concurrencies for mode in MODES]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {point: [] for point in points}
     mixed: dict[str, list[dict[str, Any]]] = {"concurrent": [], "one_at_a_time": []}
     specs_mixed = json.dumps(mixed_specs(prompts))
@@ -150,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "(`serve.triton export --runtime-options`)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts of the report set, cycled")
     parser.add_argument("--passes", type=int, default=2, help="times the whole sweep (and the mixed workload) runs")
+    parser.add_argument("--concurrencies", type=int, nargs="+", default=list(CONCURRENCIES),
+                        help="client counts of the sweep (the table's 'vs AR at 1' needs 1 among them)")
     args = parser.parse_args(argv)
+    if 1 not in args.concurrencies or min(args.concurrencies) < 1:
+        parser.error(f"--concurrencies must be positive and include 1 (the baseline), got {args.concurrencies}")
     from ssd_trt.serve.triton.environment import ensure_env
     from ssd_trt.serve.triton.repository import ExportOptions, export_repository
     from ssd_trt.serve.triton.server import ServerConfig, TritonServer, free_port
@@ -162,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                            log_file=Path(root) / "tritonserver.log"), ensure_env())
         try:
             server.start().wait_ready(timeout=900)
-            result = measure(server, prompts, args.max_tokens, args.requests, args.passes)
+            result = measure(server, prompts, args.max_tokens, args.requests, args.passes,
+                             tuple(sorted(set(args.concurrencies))))
             result["metrics"] = [line for line in server.metrics().splitlines() if line.startswith("ssd_trt_")]
         finally:
             server.stop()
