@@ -177,3 +177,32 @@ def test_stop_strings_and_stop_token_ids_end_a_request(gen, encoded, reference):
     assert by_token.finish_reason == "stop" and by_token.tokens == reference[3][:first + 1]
     with pytest.raises(ValueError, match="stop strings must be non-empty strings"):
         SamplingParams(stop=[""])
+
+
+def test_the_load_policy_times_only_the_batch_sizes_the_known_requests_can_reach(smollm2_build, encoded, reference):
+    """A one-prompt ``generate`` times one-row steps, not every batch size up to the engine's 16 (~16 s of steps
+    on 2 cores, all before its first token); a larger call times the sizes up to its own while the engines are
+    idle; a batch that outgrows what was timed while rows are live runs as set, and exactly."""
+    fresh = ssd_trt.load(smollm2_build)
+
+    def rows_timed() -> set[int]:      # (calibrated, or observed in the rounds run)
+        return {rows for (_, rows, _) in fresh.cost_curves.seconds}
+
+    four = SamplingParams(max_new_tokens=4)
+    [alone] = fresh.generate_ids([encoded[0]], four, mode="ssd")
+    assert rows_timed() == {1} and alone.token_ids == reference[0][:4]
+    fresh.generate_ids(encoded[:3], four, mode="ssd")
+    assert {2, 4} <= rows_timed() and max(rows_timed()) == 4
+    engine = LLMEngine(fresh)
+    engine.add_request(encoded[0], SamplingParams(max_new_tokens=12), "ssd", request_id="first")
+    engine.step()
+    assert engine.metrics.last_choice["batch"] == 1 and engine.metrics.last_choice["chose"] != "as set"
+    for i in range(1, 6):
+        engine.add_request(encoded[i], four, "ssd", request_id=str(i))
+    engine.step()
+    assert engine.metrics.last_choice == {"batch": 6, "chose": "as set"} and not rows_timed() & {8, 16}
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.take_result("first").tokens == reference[0][:12]
+    assert all(engine.take_result(str(i)).tokens == reference[i][:4] for i in range(1, 6))
+    engine.close()

@@ -172,10 +172,10 @@ class LLMEngine:
         self.costs: CostCurves = generator.cost_curves
         # a target exported for a feature draft (EAGLE-3): requests that use the draft keep its features
         self._relays_features = generator.engine("target").has_features
-        self._calibrated: set = set()
+        self._calibrated: dict[tuple[int, int], int] = {}     # (K, budget) -> batch sizes timed up to
         if calibrate:       # SSD's defaults for greedy and for sampled requests (their K and budget may differ)
             self._calibrate([SSD().resolved(generator.decoding_defaults(params))
-                             for params in (SamplingParams(), SamplingParams(temperature=1.0))])
+                             for params in (SamplingParams(), SamplingParams(temperature=1.0))], self.max_running)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -296,13 +296,16 @@ class LLMEngine:
                 plans[id(seq)] = RoundPlan("ssd", settings)
             else:
                 if settings not in choices:
-                    self._calibrate([settings])
+                    # every request known now may run at once: time the batch sizes up to theirs
+                    self._calibrate([settings], len(running) + len(self._waiting))
                     policy = self._policies.setdefault(settings, LoadPolicy())
-                    try:
+                    if self._calibrated.get(self._calibration_key(settings), 0) < batch:
+                        # this batch size was not timed (rows were live when it came): as set, until the
+                        # engines are idle again and it is calibrated
+                        choice = Choice("as set", settings, {})
+                    else:
                         choice = policy.choose(settings, batch, self.costs, self.yield_of(settings),
                                                self._draft_backlog(running, settings))
-                    except KeyError:            # no step timed yet (rows were live): as set, until calibrated
-                        choice = Choice("as set", settings, {})
                     choices[settings] = (policy, choice)
                     self.metrics.last_choice = {"batch": batch, "chose": choices[settings][1].name,
                                                 **choices[settings][1].scores}
@@ -317,28 +320,33 @@ class LLMEngine:
         return sum(len(s.draft_pending) if id(s) in drafted else len(s.prompt) + len(s.tokens)
                    for s in running if s.adaptive and s.resolved.settings == family)
 
-    def _calibrate(self, settings: list[SSD]) -> None:
-        """Time the engines at the step shapes the policy compares, for every batch size up to max_running,
-        while they hold no live rows (at load with ``calibrate=True``, or before the first round)."""
+    def _calibration_key(self, settings: SSD) -> tuple[int, int]:
+        return settings.draft_len, settings.fan_out_budget
+
+    def _calibrate(self, settings: list[SSD], rows: int) -> None:
+        """Time the engines at the step shapes the policy compares, for the batch sizes up to ``rows`` (doubling,
+        up to max_running), while they hold no live rows (at load with ``calibrate=True``: every size; before
+        a round: those the requests known then may reach; a later, larger batch: when the engines are idle
+        again). A one-prompt ``generate`` so times one row, not sixteen (~16 s of steps on a 2-core CPU)."""
         if self._target_rows or self._draft_rows:
             return
-        sizes = list(doubling_sizes(1, self.max_running))
-        if sizes[-1] != self.max_running:
-            sizes.append(self.max_running)
+        all_sizes = doubling_sizes(1, self.max_running)
+        top = next(size for size in all_sizes if size >= min(max(rows, 1), self.max_running))
+        sizes = [size for size in all_sizes if size <= top]
         for s in settings:
+            key = self._calibration_key(s)
+            if self._calibrated.get(key, 0) >= top:
+                continue
             target_tokens = list(range(1, s.draft_len + 2))
             draft_tokens = sorted({1} | {k + 1 for k in range(1, s.draft_len + 1)} |
                                   {SSD(draft_len=k, fan_out_budget=max(s.fan_out_budget, k + 1)).tree_tokens
                                    for k in range(1, s.draft_len + 1)})
-            key = (s.draft_len, s.fan_out_budget, self.max_running)
-            if key in self._calibrated:
-                continue
             target = self.generator.engine("target")
             self.costs.calibrate(target, "target", sizes, target_tokens)
             with target.alone():
                 self.costs.calibrate(target, TARGET_ALONE, sizes, target_tokens)
             self.costs.calibrate(self.generator.engine("draft"), "draft", sizes, draft_tokens)
-            self._calibrated.add(key)
+            self._calibrated[key] = top
 
     def _lay_out(self, plans: dict[int, RoundPlan]) -> None:
         """Order the rows [SSD groups | SD | AR]; rearrange the caches only when that order changed."""

@@ -3,10 +3,11 @@
 Triton's Python backend calls ``execute`` on one thread per model instance. ``execute`` validates each request
 and adds it to the instance's :class:`~ssd_trt.batching.engine.LLMEngine`; one loop thread runs the engine's
 steps while any request is unfinished, so requests from every client share rounds (continuous batching: a
-request joins at the next round and leaves when it finishes), greedy and sampled, in any mode. Each step's new
-tokens are streamed to their requests; the final response carries the request's statistics. The engine's
-totals are exported as Triton custom metrics (``pb_utils.MetricFamily``): acceptance rate, mean accepted
-length, cache hit rate, active batch size, requests waiting.
+request joins at the next round and leaves when it finishes), greedy and sampled, in any mode. The loop hands
+each step's new tokens to a sender thread, which streams them to their requests (the final response carries the
+request's statistics), aborts the requests whose client cancelled, and exports the engine's totals as Triton
+custom metrics (``pb_utils.MetricFamily``): acceptance rate, mean accepted length, cache hit rate, active batch
+size, requests running and waiting, requests aborted.
 
 ``pb_utils`` (``triton_python_backend_utils``) exists only inside the backend's stub process, so it is
 passed in rather than imported here.
@@ -184,7 +185,7 @@ METRICS = {   # name: (description, what of EngineMetrics it reports, gauge or c
 METRICS_EVERY_S = 0.5   # each update is a message to the server per metric: at most this often
 
 
-class EngineGauges:
+class TritonMetrics:
     """The engine's totals as Triton metrics (``pb_utils.MetricFamily``): gauges set, counters incremented by
     what the engine's total grew since the last update."""
 
@@ -226,7 +227,7 @@ class ModelServer:
         self.streaming_model = streaming_model
         self.log = log
         self.engine = LLMEngine(generator, max_running=max_running, calibrate=True)
-        self.gauges = EngineGauges(pb_utils, model_name)
+        self.triton_metrics = TritonMetrics(pb_utils, model_name)
         self.jobs: dict[str, Job] = {}
         self._ids = 0
         self._lock = threading.Lock()
@@ -341,7 +342,12 @@ class ModelServer:
                 if item is not None:
                     by_job.setdefault(id(item[0]), (item[0], []))[1].append(item[1:])
             for job, entries in by_job.values():
-                self._send_entries(job, entries)
+                try:
+                    self._send_entries(job, entries)
+                except Exception as exc:  # noqa: BLE001 -- one request's failure must not stop the others' delivery
+                    self.log(f"ssd_trt: a response could not be made: {traceback.format_exc()}")
+                    self._send_now(job, self._error(exc), final=True)
+                    job.gone = True
             if stop:
                 return
             now = time.perf_counter()
@@ -350,7 +356,7 @@ class ModelServer:
                 self._abort_cancelled()
             if now - exported >= METRICS_EVERY_S:
                 exported = now
-                self.gauges.update(self.engine.metrics)
+                self.triton_metrics.update(self.engine.metrics)
 
     def _send_entries(self, job: Job, entries: list[tuple[str, Any]]) -> None:
         """One response for a request's queued entries: its chunks' tokens joined, the final response (or
@@ -366,7 +372,7 @@ class ModelServer:
                 return
             else:
                 new_tokens, seq = payload
-                self.gauges.update(self.engine.metrics)    # a client that got its answer reads metrics that count it
+                self.triton_metrics.update(self.engine.metrics)    # a client that got its answer reads metrics that count it
                 self._send_now(job, self._final_response(job, tokens + new_tokens, seq), final=True)
                 return
         if tokens:
