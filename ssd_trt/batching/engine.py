@@ -140,7 +140,9 @@ class LLMEngine:
         ``max_waiting``: requests queued beyond those; one more is refused (CapacityError).
         ``kv_budget_tokens``: KV-cache slots per engine the running requests may reserve (default: max_running x
         max_context, all the engine can hold); a request that would exceed it waits.
-        ``calibrate``: time the engines for the SSD load policy now rather than at the first batched round."""
+        ``calibrate``: time the engines for the SSD load policy now, at every batch size up to max_running (a
+        server: requests arrive while others run). Without it, each time the engines are idle the sizes the
+        known requests can reach are timed, and adaptive SSD rows of a larger batch run as set until then."""
         limit, context = generator.limits.max_batch, generator.limits.max_context
         if max_running is not None and not 1 <= max_running <= limit:
             raise RequestError(f"max_running must be in 1..{limit} (the engine's max batch), got {max_running}")
