@@ -87,8 +87,12 @@ class ServeEnv:
 
     @property
     def bundle(self) -> Path:
-        """``pytriton/tritonserver``: bin/tritonserver, backends/, python_backend_stubs/."""
-        found = sorted(self.venv.glob("lib/python3*/site-packages/pytriton/tritonserver"))
+        """``pytriton/tritonserver``: bin/tritonserver, backends/, python_backend_stubs/ -- from the venv, or from the
+        environment running ssd_trt when nvidia-pytriton is installed there (``pip install -e '.[serve]'``: then pip
+        finds it already satisfied through the venv's link and installs it nowhere else)."""
+        found = sorted(self.venv.glob("lib/python3*/site-packages/pytriton/tritonserver")) + \
+            [Path(d) / "pytriton" / "tritonserver" for d in main_site_dirs()
+             if (Path(d) / "pytriton" / "tritonserver").is_dir()]
         if not found:
             raise ServeEnvError(f"nvidia-pytriton is not installed in {self.venv}; run "
                                 f"`python -m ssd_trt.serve.triton setup --force`")
