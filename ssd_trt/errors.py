@@ -14,6 +14,10 @@ class ArtifactError(SsdTrtError):
     """A build directory is missing, corrupt, from another version, or mismatched."""
 
 
+class ConfigError(SsdTrtError, ValueError):
+    """A configuration given in code or on the command line is invalid (runtime options, engine step limits)."""
+
+
 class RequestError(SsdTrtError, ValueError):
     """A generation request is invalid (prompt, sampling parameters, mode, batch)."""
 

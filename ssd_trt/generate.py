@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ssd_trt.detokenize import Detokenizer
 from ssd_trt.errors import SsdTrtError
-from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, settings_from
+from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, parse_mode
 from ssd_trt.runtime import BACKENDS, RuntimeOptions
 
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         import ssd_trt
         params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        settings = settings_from(args.mode, lambda name: '--' + name.replace('_', '-'),
+        settings = parse_mode(args.mode, lambda name: '--' + name.replace('_', '-'),
                                  draft_len=args.draft_len, tree_widths=parse_widths(args.tree_widths))
         generator = ssd_trt.load(args.build_dir, RuntimeOptions(backend=args.backend))
         printer = TextPrinter(generator.tokenizer)

@@ -2,16 +2,17 @@
 
 One flat config (what a user, the benchmark or the Triton model passes); each field is checked here, in
 ``__post_init__``, and everything downstream trusts it: cores, threads, spinning, the draft's timeout, the
-backend, the draft's copy component. How a request decodes (K, SD's tree, SSD's algorithm settings) is not
+backend, the draft's copy component. What is left unset (None) the build decides: the Generator fills it from the
+recipe once, when it loads the build (:meth:`RuntimeOptions.for_build`). How a request decodes (K, SD's tree, SSD's algorithm settings) is not
 here: it comes with each call (``decoding/settings.py``).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ssd_trt.engines.placement import ModelPlacement
-from ssd_trt.errors import RequestError
+from ssd_trt.errors import ConfigError
 
 # ort: ONNX Runtime on CPU; trt: the TensorRT engines; torch: the torch decoder with the Triton kernel on a
 # GPU with CUDA graphs (no TensorRT needed; weights reloaded from the build's recorded sources; on a
@@ -21,10 +22,10 @@ BACKENDS = ("ort", "trt", "torch")
 
 @dataclass
 class RuntimeOptions:
-    """Defaults: target on core 0, draft on core 1 (one thread each), the build's backend; the target's steps
-    taken while the draft is idle run on both cores."""
-    target_threads: int = 1
-    draft_threads: int = 1
+    """Defaults: target on core 0, draft on core 1 (the recipe's threads_per_engine each), the build's backend; the
+    target's steps taken while the draft is idle run on both cores."""
+    target_threads: int | None = None       # None: the recipe's engine.threads_per_engine
+    draft_threads: int | None = None        # None: the recipe's engine.threads_per_engine
     target_cores: tuple[int, ...] | None = (0,)
     draft_cores: tuple[int, ...] | None = (1,)
     spin: bool | None = None                # ORT thread-pool spinning; None: off when the models share cores
@@ -45,15 +46,19 @@ class RuntimeOptions:
                 setattr(self, name, None)   # fewer cores than asked: let the OS place the threads
         for name in ("target_threads", "draft_threads", "target_alone_threads"):
             value = getattr(self, name)
-            if value is None and name == "target_alone_threads":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer (or None: the build's), got {value!r}")
         if self.backend is not None and self.backend not in BACKENDS:
-            raise RequestError(f"backend must be one of {', '.join(BACKENDS)} (or None for the build's choice), "
-                               f"got {self.backend!r}")
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} (or None for the build's choice), "
+                              f"got {self.backend!r}")
         if not isinstance(self.draft_timeout_s, (int, float)) or not self.draft_timeout_s > 0:
-            raise RequestError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
+            raise ConfigError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
+
+    def for_build(self, threads_per_engine: int) -> "RuntimeOptions":
+        """These options with what they leave to the build filled in: each model's threads from the recipe's
+        ``engine.threads_per_engine``."""
+        return replace(self, target_threads=self.target_threads or threads_per_engine,
+                       draft_threads=self.draft_threads or threads_per_engine)
 
     @property
     def spinning(self) -> bool:
@@ -83,8 +88,10 @@ class RuntimeOptions:
         return max(self.target_threads, min(self.target_threads + self.draft_threads, available))
 
     def placement(self, role: str) -> ModelPlacement:
-        """Where ``role`` (target | draft) runs."""
+        """Where ``role`` (target | draft) runs (of options filled in by :meth:`for_build`)."""
+        if self.target_threads is None or self.draft_threads is None:
+            raise ConfigError("RuntimeOptions leave the threads to the build: place models with options.for_build(...)")
         if role == "target":
-            return ModelPlacement(self.target_cores, self.target_threads, self.spinning, self.draft_timeout_s,
-                                  self.alone_cores, self.alone_threads)
-        return ModelPlacement(self.draft_cores, self.draft_threads, self.spinning, self.draft_timeout_s)
+            return ModelPlacement(self.target_cores, self.target_threads, self.spinning, self.alone_cores,
+                                  self.alone_threads)
+        return ModelPlacement(self.draft_cores, self.draft_threads, self.spinning)

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.settings import SSD, Settings
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.errors import RequestError
 
@@ -41,10 +41,10 @@ def encode_prompt(tokenizer, prompt: str | bytes, chat: bool) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def check_request(limits: EngineLimits, vocab: int, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
-                  resolved: ResolvedMode) -> list[list[int]]:
-    """Refuse what the engines could not run (one RequestError naming the limit and the fix); return the
-    prompts as plain int lists."""
+def check_prompts(limits: EngineLimits, vocab: int, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                  settings: Settings) -> list[list[int]]:
+    """Refuse what the engines could not run with these (resolved) mode settings (one RequestError naming the limit and
+    the fix); return the prompts as plain int lists."""
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
     if not prompt_ids:
@@ -58,12 +58,13 @@ def check_request(limits: EngineLimits, vocab: int, prompt_ids: Sequence[Sequenc
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt {row} holds token ids outside 0..{vocab - 1} (or not integers); encode "
                                f"prompts with this build's tokenizer")
-        _check_context(limits, len(ids), params.max_new_tokens, resolved.name, resolved.headroom)
-    if resolved.draft_len is not None and resolved.draft_len > limits.max_draft_len:
-        raise RequestError(f"draft_len {resolved.draft_len} exceeds the engine's max_draft_len {limits.max_draft_len}; "
-                           f"lower it or rebuild")
-    if resolved.tree_tokens > limits.max_tree_size:
-        raise RequestError(f"{resolved.tree_what} feeds {resolved.tree_tokens} tokens, more than the engine's "
+        _check_context(limits, len(ids), params.max_new_tokens, settings.name, settings.headroom)
+    if settings.checked_draft_len is not None and settings.checked_draft_len > limits.max_draft_len:
+        raise RequestError(f"draft_len {settings.checked_draft_len} exceeds the engine's max_draft_len "
+                           f"{limits.max_draft_len}; lower it or rebuild")
+    if isinstance(settings, SSD) and settings.tree_tokens > limits.max_tree_size:
+        raise RequestError(f"an SSD tree step with K={settings.draft_len} and fan-out budget "
+                           f"{settings.fan_out_budget} feeds {settings.tree_tokens} tokens, more than the engine's "
                            f"max_tree_size {limits.max_tree_size}; lower the budget or K, or raise "
                            f"engine.max_tree_size and rebuild")
     return [[int(t) for t in ids] for ids in prompt_ids]

@@ -3,10 +3,10 @@
     gen = ssd_trt.load("build/smollm2-135m")
     [result] = gen.generate(["Hello"], SamplingParams(max_new_tokens=32), mode=SSD(draft_len=2))
 
-The Generator loads (manifest, tokenizer, engines on first use), encodes, validates and dispatches to a
-decoding mode (``decoding/modes.py``); what each mode does lives in its own module. A request's decoding
-settings (``decoding/settings.py``: AR, SD, SSD, or a mode's name) come with each call; where the models run
-(``RuntimeOptions``) is fixed at load.
+The Generator loads (manifest, tokenizer, engines on first use), encodes, resolves and checks each request once
+(``decoding/settings.py``: AR, SD, SSD, or a mode's name; ``requests.py``: the engine limits) and runs the engine
+step over it (``batching/engine.py``): ``generate`` is a loop over steps. Where the models run (``RuntimeOptions``)
+is fixed at load, filled from the build where left unset.
 """
 from __future__ import annotations
 
@@ -16,19 +16,17 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ssd_trt.batching.engine import LLMEngine
-from ssd_trt.batching.policy import CostCurves
-from ssd_trt.decoding.mode import ResolvedMode
-from ssd_trt.decoding.modes import strategy_for
+from ssd_trt.batching.policy import Learned
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.saguaro import overlap_summary
-from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, Settings
+from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, ResolvedMode, Settings, resolve
 from ssd_trt.decoding.stats import RoundStats
 from ssd_trt.engines.affinity import pinned
 from ssd_trt.engines.factory import EngineSet
-from ssd_trt.errors import ArtifactError, Cancelled, EngineError, SsdTrtError
+from ssd_trt.errors import ArtifactError, Cancelled, EngineError, RequestError, SsdTrtError
 from ssd_trt.manifest import ROLES, read_manifest, verify_artifacts
 from ssd_trt.options import BACKENDS, RuntimeOptions
-from ssd_trt.requests import check_request, encode_prompt
+from ssd_trt.requests import check_prompts, encode_prompt
 
 TokenCallback = Callable[[int, list[int]], None]   # (row, newly committed token ids)
 
@@ -50,8 +48,7 @@ class Generator:
         if verify_checksums:
             verify_artifacts(self.root, self.manifest, roles=ROLES)
         self.limits = self.manifest.recipe.engine
-        threads = self.limits.threads_per_engine
-        self.options = options or RuntimeOptions(target_threads=threads, draft_threads=threads)
+        self.options = (options or RuntimeOptions()).for_build(self.limits.threads_per_engine)
         from transformers import AutoTokenizer
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.root / "tokenizer")
@@ -63,10 +60,8 @@ class Generator:
         eos = self.manifest.model("target").config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         # what the engine step's SSD load policy learns, kept across requests (each generate() runs its own step
-        # loop): step times, measured once; per adaptive settings family, the measured rates and yields
-        self.cost_curves = CostCurves()
-        self.load_policies: dict = {}
-        self.ssd_yields: dict = {}
+        # loop): step times, measured once; per adaptive settings family, the measured slowdowns and yields
+        self.learned = Learned()
 
     def engine(self, role: str):
         return self.engines.get(role)
@@ -82,20 +77,25 @@ class Generator:
     def resolve(self, mode: "str | Settings" = DEFAULT_MODE, params: SamplingParams | None = None) -> ResolvedMode:
         """What ``mode`` (a name, or an AR / SD / SSD settings object) will do for a request with ``params``
         (greedy when None): its unset K and fan-out budget from the build's defaults for that regime."""
-        strategy, settings = strategy_for(mode)
-        return strategy.resolve(settings, self.decoding_defaults(params))
+        return resolve(mode, self.decoding_defaults(params))
 
     def encode(self, prompt: str | bytes, chat: bool = False) -> list[int]:
         """Token ids of one prompt: text, or UTF-8 bytes. Invalid UTF-8 is refused, never guessed at."""
         return encode_prompt(self.tokenizer, prompt, chat)
 
+    def check_prompts(self, prompt_ids: list[list[int]], params: SamplingParams, resolved: ResolvedMode
+                      ) -> list[list[int]]:
+        """Refuse prompts the engines could not run in this mode (RequestError); the prompts as int lists."""
+        return check_prompts(self.limits, self.vocab_size, prompt_ids, params, resolved.settings)
+
     def check_request(self, prompt_ids: list[list[int]], params: SamplingParams, mode: "str | Settings"
                       ) -> tuple[list[list[int]], ResolvedMode]:
         """Refuse a request the engines could not run (RequestError); the prompts as int lists, and the mode
-        resolved."""
-        # (bad params are refused by check_request, with the request's other checks)
-        resolved = self.resolve(mode, params if isinstance(params, SamplingParams) else None)
-        return check_request(self.limits, self.vocab_size, prompt_ids, params, resolved), resolved
+        resolved (once: hand it on as it is)."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        resolved = self.resolve(mode, params)
+        return self.check_prompts(prompt_ids, params, resolved), resolved
 
     def generate(self, prompts: str | bytes | Sequence[str | bytes], params: SamplingParams | None = None,
                  mode: "str | Settings" = DEFAULT_MODE, chat: bool = False,
@@ -118,28 +118,27 @@ class Generator:
         """
         params = SamplingParams() if params is None else params
         prompt_ids, resolved = self.check_request(prompt_ids, params, mode)
-        engine = LLMEngine(self)
+        llm = LLMEngine(self)
         failures: list[BaseException] = []
         callback = _guarded(on_tokens, failures) if on_tokens else None
         cancelled = False
         started = time.perf_counter()
         try:
             with pinned(self.options.target_cores):
-                ids = [engine.add_request(p, params, mode, stream=row)
-                       for row, p in enumerate(prompt_ids)]
+                ids = [llm.add_request(p, params, resolved, stream=row) for row, p in enumerate(prompt_ids)]
                 row_of = {request_id: row for row, request_id in enumerate(ids)}
                 shown = [0] * len(ids)          # tokens the callback has seen, per row
                 try:
-                    while engine.has_unfinished():
-                        for output in engine.step():
+                    while llm.has_unfinished():
+                        for output in llm.step():
                             if callback and output.new_tokens:
                                 shown[row_of[output.request_id]] += len(output.new_tokens)
                                 callback(row_of[output.request_id], output.new_tokens)
                 except Cancelled:
                     cancelled = True
                     for request_id in ids:
-                        engine.abort(request_id)
-                    engine.step()
+                        llm.abort(request_id)
+                    llm.step()
         except SsdTrtError:
             raise
         except Exception as exc:
@@ -148,13 +147,13 @@ class Generator:
                 raise
             raise failure from exc
         finally:
-            engine.close()
+            llm.close()
             self.engines.free_slots()
-        seqs = [engine.take_result(request_id) for request_id in ids]
+        seqs = [llm.take_result(request_id) for request_id in ids]
         if cancelled:                            # the result holds what the callback was shown
             for seq, count in zip(seqs, shown):
                 seq.tokens, seq.text_end = seq.tokens[:count], None
-        stats = batch_stats(seqs, resolved, engine, started)
+        stats = batch_stats(seqs, resolved, llm, started)
         if cancelled:
             stats["cancelled"] = True
         return [GenerationResult(seq.text(lambda t: self.tokenizer.decode(t, skip_special_tokens=True)), seq.tokens,
@@ -162,14 +161,14 @@ class Generator:
                 for seq in seqs]
 
 
-def batch_stats(seqs, resolved: ResolvedMode, engine: LLMEngine, started: float) -> dict:
-    """One ``generate`` call's statistics: round totals over its requests, the engine's timings, throughput, and
+def batch_stats(seqs, resolved: ResolvedMode, llm: LLMEngine, started: float) -> dict:
+    """One ``generate`` call's statistics: round totals over its requests, the engine step's timings, throughput, and
     for SSD the fan-out shapes it learned."""
-    metrics = engine.metrics
+    metrics = llm.metrics
     elapsed = time.perf_counter() - started
     total = sum(len(seq.tokens) for seq in seqs)
     firsts = [seq.first_token_at for seq in seqs if seq.first_token_at is not None]
-    rounds = RoundStats.merged([seq.stats for seq in seqs], resolved.name, resolved.draft_len or 0)
+    rounds = RoundStats.merged([seq.stats for seq in seqs], resolved.name, resolved.settings.checked_draft_len or 0)
     rounds.add_time(draft_s=metrics.draft_s, verify_s=metrics.verify_s, wait_s=metrics.wait_s)
     stats = rounds.summary() if resolved.name != "ar" else \
         {"mode": "ar", "target_forwards": None, "mean_accepted": None, "acceptance_rate": None, "cache_hit_rate": None,
@@ -180,7 +179,7 @@ def batch_stats(seqs, resolved: ResolvedMode, engine: LLMEngine, started: float)
         stats.update(overlap_summary(metrics.timeline))
         stats["timeline"] = metrics.timeline
         stats["policy"] = metrics.last_choice
-        stats["fan_out"] = engine.fan_out(resolved.settings)
+        stats["fan_out"] = llm.fan_out(resolved.settings)
     return {"generated_tokens": total, "elapsed_s": elapsed, "tokens_per_s": total / elapsed if elapsed > 0 else None,
             "ttft_s": min(firsts) - started if firsts else None, **stats}
 

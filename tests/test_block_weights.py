@@ -176,7 +176,8 @@ def test_int8_activations_are_row_exact_and_every_mode_equals_ar(block_builds):
     from ssd_trt.manifest import read_manifest
     from ssd_trt.options import RuntimeOptions
     build = block_builds["int8-act"]
-    engine = EngineSet(build, read_manifest(build), {"target": RuntimeOptions().placement("target")}).get("target")
+    placement = RuntimeOptions().for_build(threads_per_engine=1).placement("target")
+    engine = EngineSet(build, read_manifest(build), {"target": placement}).get("target")
     assert not engine.pad_single_rows          # the graph attends one-token steps twice itself
     tokens = np.array([[11, 42, 7, 19, 3, 25, 8, 30, 14], [9, 2, 33, 5, 17, 28, 6, 1, 40],
                        [4, 4, 12, 21, 36, 15, 2, 8, 27]])

@@ -18,7 +18,7 @@ from tests.step_script import step_script
 from ssd_trt.engines.torch_device import TorchDeviceEngine
 from ssd_trt.engines.availability import probe_cuda
 from ssd_trt.engines.limits import EngineLimits
-from ssd_trt.engine_generator import GeneratorOverEngines
+from tests.engine_generator import GeneratorOverEngines
 from tests.helpers import perturbed, random_decoder, tiny_config
 
 HAS_CUDA, CUDA_REASON = probe_cuda()
@@ -104,7 +104,7 @@ def test_the_torch_backend_refuses_a_source_that_changed_or_vanished(tiny_pairs,
     import json
     import shutil
 
-    from ssd_trt.errors import ArtifactError, RequestError
+    from ssd_trt.errors import ArtifactError, ConfigError
     from ssd_trt.runtime import RuntimeOptions
     build = tmp_path / "build"
     shutil.copytree(tiny_pairs["perturbed"], build)
@@ -117,5 +117,5 @@ def test_the_torch_backend_refuses_a_source_that_changed_or_vanished(tiny_pairs,
         gen.engine("target")
     with pytest.raises(ArtifactError, match="reloads the draft weights .* not usable"):
         gen.engine("draft")
-    with pytest.raises(RequestError, match="backend must be one of ort, trt, torch"):
+    with pytest.raises(ConfigError, match="backend must be one of ort, trt, torch"):
         RuntimeOptions(backend="cuda")

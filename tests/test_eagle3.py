@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from plugins.tree_attention.reference import causal_tree_mask
+from ssd_trt_plugins.tree_attention.reference import causal_tree_mask
 from ssd_trt.errors import RecipeError
 from ssd_trt.models.eagle3 import Eagle3Draft, default_feature_layers, load_eagle3_checkpoint, released_shapes
 
@@ -221,7 +221,7 @@ def test_the_draft_exports_as_a_step_graph_that_onnx_runtime_runs(head, tmp_path
     on a tree step over a filled cache, with tokens carrying either kind of feature."""
     import onnxruntime as ort
 
-    from plugins.tree_attention.reference import pack_tree_mask
+    from ssd_trt_plugins.tree_attention.reference import pack_tree_mask
     from ssd_trt.export.onnx_export import save_flavours, trace_eagle3_step_graph
     model, _ = head
     save_flavours(trace_eagle3_step_graph(model), tmp_path, datacenter=False)

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from plugins.tree_attention.reference import causal_tree_mask, tree_attention_reference
+from ssd_trt_plugins.tree_attention.reference import causal_tree_mask, tree_attention_reference
 from ssd_trt.distill.eagle3_data import FeatureSample, draft_vocabulary
 from ssd_trt.distill.eagle3_train import Eagle3TrainConfig, deepen, export_released, init_draft, masked_sdpa, \
     train_eagle3, ttt_mask, unrolled_forward

@@ -9,7 +9,8 @@ import pytest
 
 import ssd_trt
 from ssd_trt import AR, SD, SSD, SamplingParams
-from ssd_trt.batching.engine import CapacityError, LLMEngine
+from ssd_trt.batching.engine import LLMEngine
+from ssd_trt.batching.scheduler import CapacityError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:",
            "1, 2, 3, 4,", "The quick brown fox", "Water boils at", "import numpy as np\n"]
@@ -186,7 +187,7 @@ def test_the_load_policy_times_only_the_batch_sizes_the_known_requests_can_reach
     fresh = ssd_trt.load(smollm2_build)
 
     def rows_timed() -> set[int]:      # (calibrated, or observed in the rounds run)
-        return {rows for (_, rows, _) in fresh.cost_curves.seconds}
+        return {rows for (_, rows, _) in fresh.learned.costs.seconds}
 
     four = SamplingParams(max_new_tokens=4)
     [alone] = fresh.generate_ids([encoded[0]], four, mode="ssd")

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import torch
 
-from plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference, unpack_tree_mask
+from ssd_trt_plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference, unpack_tree_mask
 from ssd_trt.manifest import SCHEMA_VERSION, sha256_file
 
 
@@ -70,7 +70,7 @@ def test_reference_chain_mask_equals_plain_causal_attention():
 
 def _single_op_model(function) -> onnx.ModelProto:
     from onnx import TensorProto, helper
-    from plugins.tree_attention.onnx_function import DOMAIN, INPUTS, OPSET, OUTPUTS
+    from ssd_trt_plugins.tree_attention.onnx_function import DOMAIN, INPUTS, OPSET, OUTPUTS
     types = [TensorProto.FLOAT] * 5 + [TensorProto.INT32, TensorProto.INT32]
     ranks = [4, 4, 4, 4, 4, 1, 3]
     inputs = [helper.make_tensor_value_info(n, t, [None] * r) for n, t, r in zip(INPUTS, types, ranks)]
@@ -84,7 +84,7 @@ def _single_op_model(function) -> onnx.ModelProto:
 def test_canonical_onnx_function_matches_reference_on_random_trees():
     """The op's own 7-input ONNX function (mask built inside) against the reference math."""
     import onnxruntime as ort
-    from plugins.tree_attention.onnx_function import tree_attention_function
+    from ssd_trt_plugins.tree_attention.onnx_function import tree_attention_function
     session = ort.InferenceSession(_single_op_model(tree_attention_function()).SerializeToString(),
                                    providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)

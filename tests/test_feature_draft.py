@@ -21,8 +21,8 @@ import yaml
 from safetensors.torch import save_file
 
 import ssd_trt
-from plugins.tree_attention.reference import causal_tree_mask
-from ssd_trt.batching import round as round_module
+from ssd_trt_plugins.tree_attention.reference import causal_tree_mask
+from ssd_trt.decoding import speculative as speculative_module
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.engines.feature_draft import FeatureDraftEngine
 from ssd_trt import SD, SSD
@@ -163,7 +163,7 @@ def record_sd_rounds(monkeypatch, every_row: bool = False) -> list[tuple[list[in
     """(committed tokens, the draft's K proposals) of every chain draft loop's first row (``every_row``: of each
     row it fed: greedy rows it did not draft for take the argmax too, so they show the same computation)."""
     rounds = []
-    original = round_module.draft_tokens
+    original = speculative_module.draft_tokens
 
     def recording(draft, pending, num_tokens, draw):
         committed = [[int(t) for t in draft.cached_tokens(r)] + list(pending[r]) for r in range(len(pending))]
@@ -172,7 +172,7 @@ def record_sd_rounds(monkeypatch, every_row: bool = False) -> list[tuple[list[in
             rounds.append((committed[r], [int(t) for t in tokens[r]]))
         return tokens, dists
 
-    monkeypatch.setattr(round_module, "draft_tokens", recording)
+    monkeypatch.setattr(speculative_module, "draft_tokens", recording)
     return rounds
 
 

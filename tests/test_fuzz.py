@@ -186,7 +186,7 @@ def test_tree_mask_is_exactly_ancestor_or_self(parents):
 def test_packed_tree_mask_round_trips(parents):
     import torch
 
-    from plugins.tree_attention.reference import pack_tree_mask, unpack_tree_mask
+    from ssd_trt_plugins.tree_attention.reference import pack_tree_mask, unpack_tree_mask
     mask = tree_mask_from_parents(parents)[None]
     unpacked = unpack_tree_mask(torch.from_numpy(pack_tree_mask(mask)), len(parents)).numpy()
     assert np.array_equal(unpacked, mask)

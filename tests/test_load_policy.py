@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ssd_trt import SSD
-from ssd_trt.batching.policy import Choice, CostCurves, LoadPolicy, Option, Yield, batch_bucket, options
+from ssd_trt.batching.costs import CostCurves
+from ssd_trt.batching.policy import Choice, LoadPolicy, Option, Yield, batch_bucket, options
 
 
 def curves(verify_growth: float) -> CostCurves:

@@ -15,7 +15,7 @@ import pytest
 import ssd_trt
 from ssd_trt import generate as cli
 from ssd_trt.decoding.params import MAX_NEW_TOKENS_LIMIT, SamplingParams
-from ssd_trt.errors import RequestError
+from ssd_trt.errors import ConfigError, RequestError
 from ssd_trt.runtime import RuntimeOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +67,9 @@ BAD_OPTIONS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_OPTIONS))
 def test_bad_runtime_option_is_refused(case):
+    """A configuration error, not a request's: its own type (ConfigError)."""
     kwargs, message = BAD_OPTIONS[case]
-    with pytest.raises(RequestError) as error:
+    with pytest.raises(ConfigError) as error:
         RuntimeOptions(**kwargs)
     assert message in str(error.value)
 

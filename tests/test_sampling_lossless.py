@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ssd_trt.batching import round as round_module
+from ssd_trt.decoding import round as round_module
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import Outcome, filter_logits
 from ssd_trt.decoding.settings import AR, SD, SSD
@@ -128,7 +128,7 @@ def test_adaptive_ssd_at_one_live_request_is_lossless():
     exact = exact_distribution(TARGET, 1.0)
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))
     assert tv < 1.5 * floor + 0.005, f"TV {tv:.4f} exceeds the noise-floor threshold ({floor:.4f})"
-    [policy] = gen.load_policies.values()
+    [policy] = gen.learned.policies.values()
     ran = {name for (_, name), slowdown in policy.slowdowns.items() if slowdown.rounds > 0}
     assert "ar" in ran and len(ran) >= 3, ran         # rounds with speculation off, and two kinds with it
 
@@ -214,9 +214,9 @@ def test_the_check_catches_saguaro_sampling_verified_against_the_unscaled_q(monk
 
     def unscaled(self, logits, fan_out, active=None):
         q = filter_logits(logits, self.params[0])       # one request: every row has its parameters and stream
-        return q.boosted(np.asarray(fan_out) + 1, self.config.saguaro_c).sample(self.rngs[0]), q
+        return q.boosted(np.asarray(fan_out) + 1, self.settings.saguaro_c).sample(self.rngs[0]), q
 
-    monkeypatch.setattr(DraftWorker, "_draw", unscaled)
+    monkeypatch.setattr(DraftWorker, "draw", unscaled)
     exact = exact_distribution(TARGET, 1.0)
     samples, _ = draw(ssd_mode(saguaro_c=0.2, backup="jit"), 1.0, seed=0)
     tv, floor = total_variation(samples, exact), noise_floor(exact, len(samples))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ssd_trt
-from ssd_trt.batching import round as round_module
+from ssd_trt.decoding import round as round_module
 from ssd_trt import AR, SD, SSD
 from ssd_trt.decoding.settings import Settings
 from tests.helpers import perturbed, random_decoder, save_hf_checkpoint, tiny_config, write_recipe

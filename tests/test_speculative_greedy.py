@@ -58,7 +58,7 @@ def test_requests_at_the_context_limit_finish_exactly_or_are_refused_up_front(ti
     from ssd_trt.errors import RequestError
     gen = ssd_trt.load(tiny_pairs["perturbed"])
     limit = gen.limits.max_context
-    headroom = gen.resolve(mode).headroom
+    headroom = gen.resolve(mode).settings.headroom
     prompt = [1] + [5 + (i % 200) for i in range(150)]
     fits = SamplingParams(max_new_tokens=limit - len(prompt) - headroom, stop_on_eos=False)
     [expected] = gen.generate_ids([prompt], fits, mode="ar")

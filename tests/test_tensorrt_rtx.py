@@ -21,7 +21,7 @@ import onnx
 import pytest
 import torch
 
-from plugins.tree_attention.reference import pack_tree_mask
+from ssd_trt_plugins.tree_attention.reference import pack_tree_mask
 from ssd_trt.build import build
 from ssd_trt.engines.availability import probe_tensorrt_rtx
 from ssd_trt.engines.editions import RTX

@@ -16,8 +16,8 @@ from ssd_trt.engines.feeding import tree_mask_from_parents
 import pytest
 import torch
 
-from plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference
-from plugins.tree_attention.triton_kernel import KernelSpec, tree_attention
+from ssd_trt_plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference
+from ssd_trt_plugins.tree_attention.triton_kernel import KernelSpec, tree_attention
 
 HEADS = [(1, 1), (2, 1), (2, 2), (4, 2), (6, 2), (8, 2), (4, 1)]  # (Hq, Hkv): MHA, GQA, group of 3 (padded)
 HEAD_DIMS = [16, 32, 24]  # 24 exercises the padded head dimension

@@ -19,8 +19,8 @@ import torch
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference
-from plugins.tree_attention.triton_kernel import tree_attention
+from ssd_trt_plugins.tree_attention.reference import pack_tree_mask, tree_attention_reference
+from ssd_trt_plugins.tree_attention.triton_kernel import tree_attention
 from ssd_trt.engines.availability import probe_tensorrt
 from ssd_trt.engines.bindings import BindingLayout
 from ssd_trt.engines.cuda_graphs import GraphBucket, batch_sizes, pad_step, plan_buckets, select_bucket

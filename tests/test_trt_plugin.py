@@ -23,10 +23,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from plugins.tree_attention.ptx import DEFAULT_PTX_VERSION, NUM_KERNEL_PARAMS, SHARED_MEMORY_LIMIT, compile_ptx, \
+from ssd_trt_plugins.tree_attention.ptx import DEFAULT_PTX_VERSION, NUM_KERNEL_PARAMS, SHARED_MEMORY_LIMIT, compile_ptx, \
     entry_params, strip_unused_trailing_params
-from plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask, tree_attention_reference
-from plugins.tree_attention.trt_plugin import FP32_TACTICS, LOW_PRECISION_TACTICS, PLUGIN_NAME, dtype_name, \
+from ssd_trt_plugins.tree_attention.reference import causal_tree_mask, pack_tree_mask, tree_attention_reference
+from ssd_trt_plugins.tree_attention.trt_plugin import FP32_TACTICS, LOW_PRECISION_TACTICS, PLUGIN_NAME, dtype_name, \
     kernel_spec, launch_plan, validate_onnx_node
 from ssd_trt.engines.availability import probe_cuda, probe_tensorrt
 
@@ -146,7 +146,7 @@ def test_onnx_node_contract():
 
 
 def test_importing_the_plugin_module_does_not_import_tensorrt():
-    code = ("import sys; import plugins.tree_attention.trt_plugin, ssd_trt.engines.tensorrt, ssd_trt.trt.engine_build; "
+    code = ("import sys; import ssd_trt_plugins.tree_attention.trt_plugin, ssd_trt.engines.tensorrt, ssd_trt.trt.engine_build; "
             "print('tensorrt' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -156,7 +156,7 @@ def test_importing_the_plugin_module_does_not_import_tensorrt():
 
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed here; this checks the error without it")
 def test_register_without_tensorrt_says_what_is_missing():
-    from plugins.tree_attention import trt_plugin
+    from ssd_trt_plugins.tree_attention import trt_plugin
     with pytest.raises(RuntimeError, match="TensorRT >= 10.9"):
         trt_plugin.register(90)
 
@@ -167,7 +167,7 @@ def test_register_without_tensorrt_says_what_is_missing():
 @pytest.mark.skipif(not HAS_CUDA, reason=f"needs a CUDA GPU: {CUDA_REASON}")
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
 def test_kernel_on_gpu_matches_reference(dtype, tolerance):
-    from plugins.tree_attention.triton_kernel import tree_attention
+    from ssd_trt_plugins.tree_attention.triton_kernel import tree_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     batch, q_heads, kv_heads, tokens, capacity, dim = 2, 32, 8, 24, 600, 128
 
@@ -191,7 +191,7 @@ def test_plugin_in_a_tensorrt_network_updates_the_cache_in_place(tmp_path):
     """One tree_attention node parsed from ONNX, built, run with the cache bound in place."""
     import tensorrt as trt
 
-    from plugins.tree_attention import trt_plugin
+    from ssd_trt_plugins.tree_attention import trt_plugin
 
     batch, q_heads, kv_heads, tokens, capacity, dim = 2, 4, 2, 5, 64, 32
     major, minor = torch.cuda.get_device_capability(0)

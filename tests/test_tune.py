@@ -51,7 +51,7 @@ def test_requests_get_their_regimes_tuned_defaults_unless_they_set_k(tiny_pairs,
                           measurement={})
     write_manifest(build, manifest.model_copy(update={"tuned_decoding": tuned}))
     gen = ssd_trt.load(build)
-    assert gen.resolve("sd", GREEDY).draft_len == 2 and gen.resolve("sd", SAMPLED).draft_len == 1
+    assert gen.resolve("sd", GREEDY).settings.draft_len == 2 and gen.resolve("sd", SAMPLED).settings.draft_len == 1
     assert (gen.resolve("ssd", GREEDY).settings.draft_len, gen.resolve("ssd", GREEDY).settings.fan_out_budget) == (1, 5)
     assert (gen.resolve("ssd", SAMPLED).settings.draft_len, gen.resolve("ssd", SAMPLED).settings.fan_out_budget) == (3, 4)
     # a request's stats say what ran
@@ -59,10 +59,10 @@ def test_requests_get_their_regimes_tuned_defaults_unless_they_set_k(tiny_pairs,
     assert result.stats["draft_len"] == 3
     # the caller's K wins over any default
     own = ssd_trt.SD(draft_len=4)
-    assert gen.resolve(own, GREEDY).draft_len == 4 and gen.resolve(own, SAMPLED).draft_len == 4
+    assert gen.resolve(own, GREEDY).settings.draft_len == 4 and gen.resolve(own, SAMPLED).settings.draft_len == 4
     # an untuned build uses the recipe's decoding
     untuned = ssd_trt.load(tiny_pairs["perturbed"])
-    assert untuned.resolve("sd", SAMPLED).draft_len == recipe_default.sd_draft_len
+    assert untuned.resolve("sd", SAMPLED).settings.draft_len == recipe_default.sd_draft_len
 
 
 def test_the_grid_stays_within_the_engine_limits(tiny_pairs):

@@ -15,7 +15,7 @@ from ssd_trt.engines.base import EngineDefaults, EngineSpec
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.engines.rows import check_order, reorder
 from ssd_trt.recipe import DecodingDefaults
-from ssd_trt.engine_generator import GeneratorOverEngines
+from tests.engine_generator import GeneratorOverEngines
 
 
 class TrigramEngine(EngineDefaults):

@@ -20,7 +20,7 @@ Two adjustments make the PTX safe to launch from TensorRT:
   the body) those trailing parameters are removed from the ``.entry`` declaration, so the parameter
   list TensorRT passes matches the kernel's exactly.
 
-CLI (a CI check, and a way to inspect the PTX): ``python -m plugins.tree_attention.ptx --sm 90``.
+CLI (a CI check, and a way to inspect the PTX): ``python -m ssd_trt_plugins.tree_attention.ptx --sm 90``.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from plugins.tree_attention.triton_kernel import KERNEL_INPUTS, KERNEL_OUTPUTS, KERNEL_SCALARS, KernelSpec, \
+from ssd_trt_plugins.tree_attention.triton_kernel import KERNEL_INPUTS, KERNEL_OUTPUTS, KERNEL_SCALARS, KernelSpec, \
     kernel_function
 
 DEFAULT_PTX_VERSION = 80

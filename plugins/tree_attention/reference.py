@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 # the numpy half of the contract (packing masks), kept apart so the runtime imports it without torch
-from plugins.tree_attention.masks import MASK_WORD_BITS, causal_tree_mask, mask_words, pack_tree_mask  # noqa: F401
+from ssd_trt_plugins.tree_attention.masks import MASK_WORD_BITS, causal_tree_mask, mask_words, pack_tree_mask  # noqa: F401
 
 
 def unpack_tree_mask(packed: torch.Tensor, num_new_tokens: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from plugins.tree_attention.masks import MASK_WORD_BITS
+from ssd_trt_plugins.tree_attention.masks import MASK_WORD_BITS
 
 LOG2E = 1.4426950408889634
 # The Triton interpreter patches triton.language's module globals while a kernel runs, so two threads

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import onnx
 
-from plugins.tree_attention.ptx import PtxKernel, compile_ptx
-from plugins.tree_attention.triton_kernel import KernelSpec
+from ssd_trt_plugins.tree_attention.ptx import PtxKernel, compile_ptx
+from ssd_trt_plugins.tree_attention.triton_kernel import KernelSpec
 
 PLUGIN_NAMESPACE = "ssd"
 PLUGIN_NAME = "tree_attention"

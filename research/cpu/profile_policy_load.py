@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"repeat {repeat}: ar {rates['ar']:.1f} tok/s, sd {rates['sd']:.1f} tok/s, ssd {rates['ssd']:.1f} "
                      f"tok/s (ssd / ar {rates['ssd'] / rates['ar']:.2f}, sd / ar {rates['sd'] / rates['ar']:.2f}); "
                      f"ssd rounds by option: {chosen['ssd']}; main thread in ONNX Runtime: {times}")
-    for settings, policy in gen.load_policies.items():      # what the policy measured: slowdown per (bucket, option)
+    for settings, policy in gen.learned.policies.items():      # what the policy measured: slowdown per (bucket, option)
         lines.append(f"slowdowns ({settings}): {policy.describe()}")
-    for settings, measured in gen.ssd_yields.items():       # tokens accepted per round, per (K, source)
+    for settings, measured in gen.learned.yields.items():       # tokens accepted per round, per (K, source)
         lines.append(f"accepted per round ({settings}): "
                      f"{ {f'{k} {source}': round(v, 2) for (k, source), v in measured.accepted.items()} }, "
                      f"hit rate {measured.hit_rate if measured.hit_rate is None else round(measured.hit_rate, 3)}")

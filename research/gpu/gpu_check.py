@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from plugins.tree_attention.reference import attention_mask, pack_tree_mask, tree_attention_reference  # noqa: E402
-from plugins.tree_attention.triton_kernel import tree_attention  # noqa: E402
-from plugins.tree_attention.trt_plugin import tactics_for  # noqa: E402
+from ssd_trt_plugins.tree_attention.reference import attention_mask, pack_tree_mask, tree_attention_reference  # noqa: E402
+from ssd_trt_plugins.tree_attention.triton_kernel import tree_attention  # noqa: E402
+from ssd_trt_plugins.tree_attention.trt_plugin import tactics_for  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 32, 8, 128, 4096
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

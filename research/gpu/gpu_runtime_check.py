@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from ssd_trt.decoding.params import SamplingParams  # noqa: E402
 from ssd_trt.decoding.settings import AR, SD, SSD as SSDSettings  # noqa: E402
-from ssd_trt.engine_generator import GeneratorOverEngines  # noqa: E402
+from tests.engine_generator import GeneratorOverEngines  # noqa: E402
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine  # noqa: E402
 from ssd_trt.engines.device_step import place_draft_and_target  # noqa: E402
 from tests.step_script import step_script  # noqa: E402

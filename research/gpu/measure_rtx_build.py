@@ -38,7 +38,7 @@ def precision_check(build: Path, prompts: list[str]) -> dict:
     """Max |input| of every RMSNorm in fp32, and next-token argmax agreement of fp16 / bf16 with fp32."""
     import torch
 
-    from plugins.tree_attention.reference import causal_tree_mask
+    from ssd_trt_plugins.tree_attention.reference import causal_tree_mask
     from ssd_trt.manifest import read_manifest
     from ssd_trt.models.loading import load_decoder
     from ssd_trt.models.sources import resolve_source

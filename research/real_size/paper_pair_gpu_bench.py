@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from ssd_trt.decoding.params import SamplingParams  # noqa: E402
 from ssd_trt.decoding.settings import AR, SD, SSD, ssd_tree_tokens  # noqa: E402
-from ssd_trt.engine_generator import GeneratorOverEngines  # noqa: E402
+from tests.engine_generator import GeneratorOverEngines  # noqa: E402
 from ssd_trt.engines.limits import EngineLimits  # noqa: E402
 from ssd_trt.engines.token_mirror import TokenMirrorEngine  # noqa: E402
 from ssd_trt.models.config import DecoderConfig  # noqa: E402

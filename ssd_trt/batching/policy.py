@@ -12,88 +12,25 @@ estimates tokens per second for the whole batch,
 and ranks them. E[tokens per round] = 1 + p_hit * A_hit(K') + (1 - p_hit) * A_backup(K'), with the
 acceptances A and the hit rate p_hit measured online from the rounds run so far (exponential averages, per K'
 and source; before any round, from the settings' prior acceptance a: A(K') = a + ... + a^K'). The step
-times are measured on the engines (:class:`CostCurves`): each timed once per (batch, tokens) shape when
+times are measured on the engines (``costs.CostCurves``): each timed once per (batch, tokens) shape when
 first needed, then updated by every round that runs that shape. What the model leaves out (Python, waiting,
 the draft feeding what it missed) :class:`LoadPolicy` measures: each option's rounds' wall time against the
 model's, per load, and it keeps re-measuring the runner-up now and then.
 """
 from __future__ import annotations
 
-import bisect
 import functools
 import math
-import time
-from dataclasses import dataclass, field, replace
-import numpy as np
+from dataclasses import dataclass, field
 
+from ssd_trt.batching.costs import TARGET_ALONE, CostCurves, running_average
 from ssd_trt.decoding.settings import SD, SSD
 
-EMA = 0.2          # weight of the newest observation in the running averages of step and switch times
-# ... and in those of a row-round's accepted tokens and of a lookup's hit: a row gains 1 to K+1 tokens per round,
-# so one row-round says little; this remembers about the last 50 (a few requests' worth at batch 1)
+# weight of the newest observation in the running averages of a row-round's accepted tokens and of a lookup's hit: a
+# row gains 1 to K+1 tokens per round, so one row-round says little; this remembers about the last 50 (a few requests'
+# worth at batch 1)
 YIELD_EMA = 0.02
 PRIOR_HIT_RATE = 0.7
-TARGET_ALONE = "target alone"     # the cost curve of target steps taken while the draft is idle (Engine.alone)
-
-
-def running_average(old: float | None, new: float, weight: float = EMA) -> float:
-    """The exponential running average after ``new`` (``new`` itself as the first value)."""
-    return new if old is None else (1 - weight) * old + weight * new
-
-
-@dataclass
-class CostCurves:
-    """Seconds per engine step, by (role, rows, tokens per row): timed on the idle engines (:func:`calibrate`),
-    then refreshed by every step the engine step runs. Between measured row counts the cost is interpolated
-    linearly; a token count never measured is scaled from the nearest one measured (step cost ~ tokens)."""
-    seconds: dict[tuple[str, int, int], float] = field(default_factory=dict)
-    # which (rows, tokens) were measured per role, rebuilt when a key is added (the policy asks every round, for
-    # every option: a scan of every key per question cost ~10% of an SSD round at one client)
-    _index: dict[str, tuple[dict[int, list[int]], int]] = field(default_factory=dict, init=False, repr=False,
-                                                                 compare=False)
-    _indexed_keys: int = field(default=-1, init=False, repr=False, compare=False)
-
-    def _measured(self, role: str) -> tuple[dict[int, list[int]], int]:
-        """For ``role``: the row counts measured per token count (ascending), and the most rows measured."""
-        if self._indexed_keys != len(self.seconds):        # keys are only ever added
-            by_role: dict[str, dict[int, list[int]]] = {}
-            for name, rows, tokens in self.seconds:
-                by_role.setdefault(name, {}).setdefault(tokens, []).append(rows)
-            self._index = {name: ({t: sorted(r) for t, r in by_tokens.items()},
-                                  max(max(r) for r in by_tokens.values())) for name, by_tokens in by_role.items()}
-            self._indexed_keys = len(self.seconds)
-        return self._index.get(role, ({}, 0))
-
-    def covers(self, role: str, rows: int, tokens: int) -> bool:
-        by_tokens, most_rows = self._measured(role)
-        return tokens in by_tokens and most_rows >= rows
-
-    def cost(self, role: str, rows: int, tokens: int) -> float:
-        by_tokens, _ = self._measured(role)
-        if not by_tokens:
-            raise KeyError(f"no {role} step was timed")
-        nearest = tokens if tokens in by_tokens else min(by_tokens, key=lambda t: (abs(t - tokens), -t))
-        scale = 1.0 if nearest == tokens else tokens / nearest
-        xs = by_tokens[nearest]
-        ys = [self.seconds[(role, x, nearest)] for x in xs]
-        if rows <= xs[0]:
-            return ys[0] * scale
-        if rows >= xs[-1]:
-            return ys[-1] * scale
-        i = bisect.bisect_right(xs, rows)
-        return (ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])) * scale
-
-    def observe(self, role: str, rows: int, tokens: int, seconds: float) -> None:
-        key = (role, rows, tokens)
-        self.seconds[key] = running_average(self.seconds.get(key), seconds)
-
-    def calibrate(self, engine, role: str, rows: list[int], token_counts: list[int]) -> None:
-        """Time ``engine`` (idle: it is reset) at every (rows, tokens) pair not measured yet."""
-        for count in rows:
-            wanted = [t for t in token_counts if (role, count, t) not in self.seconds]
-            if wanted:
-                for tokens, seconds in timed_steps(engine, count, wanted).items():
-                    self.seconds[(role, count, tokens)] = seconds
 
 
 @dataclass
@@ -183,9 +120,46 @@ def sd_option(draft_len: int) -> SD:
 
 @functools.lru_cache(maxsize=1024)
 def ssd_option(settings: SSD, draft_len: int, backup: str) -> SSD:
-    """``settings`` speculating K' = ``draft_len`` with ``backup`` (the budget at least K' + 1)."""
-    return replace(settings, draft_len=draft_len, fan_out_budget=max(settings.fan_out_budget, draft_len + 1),
-                   backup=backup)
+    return settings.speculating(draft_len, backup)
+
+
+class ShapeRecorder:
+    """Stands in for :class:`CostCurves` to record which step shapes (role, tokens per row) a scoring reads."""
+
+    def __init__(self) -> None:
+        self.shapes: set[tuple[str, int]] = set()
+
+    def covers(self, role: str, rows: int, tokens: int) -> bool:
+        self.shapes.add((role, tokens))
+        return True
+
+    def cost(self, role: str, rows: int, tokens: int) -> float:
+        self.shapes.add((role, tokens))
+        return 1.0
+
+
+def step_shapes(settings: SSD) -> dict[str, list[int]]:
+    """The tokens per row of every step :func:`options` scores ``settings``' options by, per role: what the engine
+    step times before the policy chooses (one function, so the two cannot drift apart)."""
+    recorder = ShapeRecorder()
+    options(settings, 1, recorder, Yield(settings.prior_acceptance))
+    by_role: dict[str, set[int]] = {}
+    for role, tokens in recorder.shapes:
+        by_role.setdefault(role, set()).add(tokens)
+    return {role: sorted(tokens) for role, tokens in by_role.items()}
+
+
+def miss_backup(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> str:
+    """The backup of an SSD round at K = ``settings.draft_len`` that left it to the engine (``backup="auto"``): of a
+    just-in-time neural draft and prompt lookup, the one the model scores higher at this batch once its steps were
+    timed; before that, the prior ``settings.critical_batch`` (b*: prompt lookup from b* rows on)."""
+    if settings.backup != "auto":
+        return settings.backup
+    K = settings.draft_len
+    if not (costs.covers("target", batch, K + 1) and costs.covers("draft", batch, settings.tree_tokens)):
+        return "jit" if batch < settings.critical_batch else "ngram"
+    scored = options(settings, batch, costs, measured)
+    return max(("jit", "ngram"), key=lambda backup: scored[f"ssd K={K} {backup}"].estimate)
 
 
 def batch_bucket(batch: int) -> int:
@@ -336,22 +310,21 @@ class LoadPolicy:
         return {f"{bucket} {name}": round(s.ratio, 3) for (bucket, name), s in sorted(self.slowdowns.items())}
 
 
-def timed_steps(engine, rows: int, token_counts: list[int], context: int = 32, repeats: int = 3
-                ) -> dict[int, float]:
-    """Seconds of one step of each token count on ``rows`` fresh rows holding ``context`` tokens (median of
-    ``repeats``, after one untimed step); leaves the engine reset (it must hold no live rows)."""
-    engine.reset(rows)
-    engine.forward(np.zeros((rows, context), dtype=np.int64),
-                   np.broadcast_to(np.arange(context), (rows, context)).copy())
-    out = {}
-    for tokens in token_counts:
-        positions = np.broadcast_to(context + np.arange(tokens), (rows, tokens)).copy()
-        times = []
-        for _ in range(repeats + 1):
-            started = time.perf_counter()
-            engine.forward(np.zeros((rows, tokens), dtype=np.int64), positions)
-            times.append(time.perf_counter() - started)
-            engine.rollback(np.full(rows, context, dtype=np.int32))
-        out[tokens] = float(np.median(times[1:]))
-    engine.reset(1)
-    return out
+@dataclass
+class Learned:
+    """What the load policy measured, kept across requests (a Generator holds one; every engine step over it adds to
+    it): the engines' step times, per SSD settings family its yields and its policy, and per (K, budget) the batch
+    sizes whose steps were timed."""
+    costs: CostCurves = field(default_factory=CostCurves)
+    policies: dict[SSD, LoadPolicy] = field(default_factory=dict)
+    yields: dict[SSD, Yield] = field(default_factory=dict)
+    timed_up_to: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def policy(self, family: SSD) -> LoadPolicy:
+        return self.policies.setdefault(family, LoadPolicy())
+
+    def yield_of(self, settings: SSD) -> Yield:
+        """What SSD rounds of requests with these settings produced."""
+        if settings not in self.yields:
+            self.yields[settings] = Yield(settings.prior_acceptance)
+        return self.yields[settings]

@@ -23,8 +23,9 @@ the hit rate.
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -111,6 +112,35 @@ class FanOutPlanner:
         return {key: {"acceptance": round(c.acceptance, 4), "power": round(c.power, 4),
                       "shape": geometric_fan_out(c.acceptance, c.power, self.draft_len, self.budget)}
                 for key, c in self.curves.items()}
+
+
+class FanOutPlanners:
+    """One :class:`FanOutPlanner` per SSD settings, made on first use: what the engine step's SSD groups learn. The
+    backup that covers a miss does not change where the bonus token falls, so settings that differ only in it share
+    one planner."""
+
+    def __init__(self) -> None:
+        self._by_settings: dict = {}
+
+    def get(self, settings) -> FanOutPlanner:
+        """The planner of SSD groups with these (resolved) settings."""
+        key = planner_key(settings)
+        if key not in self._by_settings:
+            self._by_settings[key] = FanOutPlanner(settings.draft_len, settings.fan_out_budget,
+                                                   settings.prior_acceptance, settings.prior_power)
+        return self._by_settings[key]
+
+    def describe(self, settings) -> dict:
+        """The shapes learned for these settings (empty when none ran: e.g. an adaptive request the load policy ran
+        with another K)."""
+        planner = self._by_settings.get(planner_key(settings))
+        return {} if planner is None else planner.describe()
+
+
+@functools.lru_cache(maxsize=1024)
+def planner_key(settings):
+    """``settings`` with the backup left out (a pure function of frozen settings, cached: a round asks per group)."""
+    return replace(settings, backup="auto")
 
 
 def bonus_rank(glue_logits: np.ndarray, own_next: int | None, bonus: int) -> int:

@@ -1,15 +1,20 @@
-"""A request's decoding settings: one typed, frozen object per mode, passed per call, validated once, here.
+"""A request's decoding mode: one typed, frozen settings object per mode, passed per call, validated once, here.
 
     gen.generate(prompt, params, mode=SSD(draft_len=2, fan_out_budget=8))
     gen.generate(prompt, params, mode="sd")        # a mode's name: its settings with every default
 
-K and SSD's fan-out budget left unset (None) take the build's decoding defaults for the request's regime,
-greedy or sampled (``Generator.resolve``; ``python -m ssd_trt.tune`` measures them). What the settings imply
-is defined here once: the size of SSD's tree step and the smallest budget a K allows. Where the models run
-(cores, threads, backend) is not a decoding setting: that is ``RuntimeOptions``, fixed when a build is loaded.
+Each settings class resolves itself against the build's decoding defaults for the request's regime, greedy or
+sampled (``resolved``: K and SSD's fan-out budget left unset, None, take the build's; ``python -m ssd_trt.tune``
+measures them), and says what it asks of the engines once resolved: the KV slots a round may write past the
+committed text (``headroom``), the K checked against the engine's limit (``checked_draft_len``) and the tokens of
+its largest draft tree step (``tree_tokens``). A request's mode is resolved once, when it is checked
+(:func:`resolve`): an SSD request that left both K and the budget unset *adapts* them to the load
+(``batching/policy.py``). Where the models run (cores, threads, backend) is not a decoding setting: that is
+``RuntimeOptions``, fixed when a build is loaded.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Union
 
@@ -29,6 +34,11 @@ def min_fan_out_budget(draft_len: int) -> int:
     return draft_len + 1
 
 
+def tree_nodes(widths: tuple[int, ...]) -> int:
+    """Tokens of an SD token tree with ``widths[d]`` children under every depth-d node, the root included."""
+    return 1 + sum(math.prod(widths[:depth + 1]) for depth in range(len(widths)))
+
+
 def _check_draft_len(value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT_LEN):
         raise RequestError(f"draft_len (K) must be an integer in 1..{MAX_DRAFT_LEN} (or None for the build's "
@@ -39,6 +49,12 @@ def _check_draft_len(value: Any) -> None:
 class AR:
     """Plain autoregressive decoding: nothing to set."""
     name: ClassVar[str] = "ar"
+    headroom: ClassVar[int] = 0
+    checked_draft_len: ClassVar[int | None] = None
+    tree_tokens: ClassVar[int] = 0
+
+    def resolved(self, defaults) -> "AR":
+        return self
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,7 @@ class SD:
     """Speculative decoding: K draft tokens per round, verified as a chain, or as a token tree with
     ``tree_widths`` children per depth (then K is the tree's depth)."""
     name: ClassVar[str] = "sd"
+    tree_tokens: ClassVar[int] = 0                # (a tree is verified by the target: headroom, not a draft step)
     draft_len: int | None = None                 # K; None: the build's default
     tree_widths: tuple[int, ...] | None = None
 
@@ -62,6 +79,16 @@ class SD:
         """With K set (``defaults``: the build's ``DecodingDefaults`` for the request's regime)."""
         return replace(self, draft_len=self.draft_len or defaults.sd_draft_len)
 
+    @property
+    def checked_draft_len(self) -> int:
+        """K, as the engine's max_draft_len limits it: a tree's depth is the most a round can accept."""
+        return len(self.tree_widths) if self.tree_widths else self.draft_len
+
+    @property
+    def headroom(self) -> int:
+        """Slots a verification writes: the tree's nodes, or t*_prev and K drafted tokens."""
+        return tree_nodes(self.tree_widths) if self.tree_widths else self.draft_len + 1
+
 
 @dataclass(frozen=True)
 class SSD:
@@ -72,8 +99,8 @@ class SSD:
     fork_policy: str = "confidence"    # confidence (this round's odds) | geometric (the paper's shape)
     lookup_forks: int = 3              # prompt-lookup bonus guesses per position (0: draft guesses only)
     saguaro_c: float = 1.0             # C of sigma_{F,C}; 1 = plain draft sampling
-    backup: str = "auto"               # auto | jit | ngram
-    critical_batch: int = 4            # b*: batches >= b* use the fast backup on a miss
+    backup: str = "auto"               # auto (the load policy picks, from measured costs) | jit | ngram
+    critical_batch: int = 4            # b*: auto's choice before any cost is measured (batches >= b*: prompt lookup)
     prior_acceptance: float = 0.6
     prior_power: float = 0.6
 
@@ -103,10 +130,24 @@ class SSD:
         budget = self.fan_out_budget or max(defaults.ssd_fan_out_budget, min_fan_out_budget(draft_len))
         return replace(self, draft_len=draft_len, fan_out_budget=budget)
 
+    def speculating(self, draft_len: int, backup: str) -> "SSD":
+        """These (resolved) settings at K = ``draft_len`` with ``backup``, the budget grown to K+1 if it is less: the
+        load policy's options."""
+        return replace(self, draft_len=draft_len, fan_out_budget=max(self.fan_out_budget, min_fan_out_budget(draft_len)),
+                       backup=backup)
+
+    @property
+    def checked_draft_len(self) -> int:
+        return self.draft_len
+
     @property
     def tree_tokens(self) -> int:
         """Tokens in the draft's largest tree step (of resolved settings)."""
         return ssd_tree_tokens(self.draft_len, self.fan_out_budget)
+
+    @property
+    def headroom(self) -> int:
+        return self.tree_tokens
 
 
 Settings = Union[AR, SD, SSD]
@@ -114,7 +155,26 @@ BY_NAME: dict[str, type] = {kind.name: kind for kind in (AR, SD, SSD)}
 MODES = tuple(BY_NAME)
 
 
-def settings_for(mode: "str | Settings") -> Settings:
+@dataclass(frozen=True)
+class ResolvedMode:
+    """A request's mode, resolved once: its settings with every value set, and whether it adapts (an SSD request that
+    left K and the budget to the build: the load policy picks its rounds)."""
+    settings: Settings
+    adaptive: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+
+def resolve(mode: "str | Settings", defaults) -> ResolvedMode:
+    """``mode`` (a name, or an AR / SD / SSD settings object) with the unset values from ``defaults``."""
+    settings = as_settings(mode)
+    adaptive = isinstance(settings, SSD) and settings.draft_len is None and settings.fan_out_budget is None
+    return ResolvedMode(settings.resolved(defaults), adaptive)
+
+
+def as_settings(mode: "str | Settings") -> Settings:
     """The settings object of ``mode``: itself, or a mode name's settings with every default."""
     if isinstance(mode, (AR, SD, SSD)):
         return mode
@@ -129,10 +189,10 @@ OPTIONS_BY_MODE: dict[str, tuple[str, ...]] = {"ar": (), "sd": ("draft_len", "tr
                                                "ssd": ("draft_len", "fan_out_budget", "backup")}
 
 
-def settings_from(mode: str, spelled: Callable[[str], str] = str, **options: Any) -> Settings:
-    """The settings object of a mode name and the options a user set beside it (None: not set), each option
-    refused for a mode it means nothing to. ``spelled`` names an option the way the user wrote it (a flag, a
-    Triton input)."""
+def parse_mode(mode: str, spelled: Callable[[str], str] = str, **options: Any) -> Settings:
+    """The settings object of a mode name a user gave and the options they set beside it (None: not set), each
+    option refused for a mode it means nothing to. ``spelled`` names an option the way the user wrote it (a flag,
+    a Triton input)."""
     if mode not in BY_NAME:
         raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     given = {name: value for name, value in options.items() if value is not None}

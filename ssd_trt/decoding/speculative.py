@@ -1,33 +1,18 @@
 """Standard speculative decoding: the draft proposes, the target verifies in one pass, alternating.
 
-Chain (the default): K draft tokens (:func:`draft_tokens`), verified with :func:`sampling.verify_chain`.
-Tree (``SD(tree_widths=...)``): ``decoding/speculative_tree.py``. The engine step runs both
-(``batching/round.py``).
+Chain (the default): K draft tokens per row (:func:`draft_chains`, over :func:`draft_tokens`, the one draft loop SSD's
+just-in-time backup uses too), verified with :func:`sampling.verify_chain`. Tree (``SD(tree_widths=...)``):
+``decoding/speculative_tree.py``. The engine step's round runs both (``decoding/round.py``).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from ssd_trt.decoding.mode import ResolvedMode
-from ssd_trt.decoding.sampling import TokenDistribution
-from ssd_trt.decoding.speculative_tree import tree_nodes
+from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.sampling import TokenDistribution, draw_rows
 from ssd_trt.engines.feeding import feed_ragged
-
-
-class Speculative:
-    """``--mode sd`` (settings: ``decoding/settings.SD``)."""
-    name = "sd"
-    roles = ("target", "draft")
-
-    def resolve(self, settings, defaults) -> ResolvedMode:
-        settings = settings.resolved(defaults)
-        if settings.tree_widths:     # a tree's depth is the most a round can accept: its K
-            widths = list(settings.tree_widths)
-            return ResolvedMode(self.name, settings, draft_len=len(widths), headroom=tree_nodes(widths))
-        return ResolvedMode(self.name, settings, draft_len=settings.draft_len, headroom=settings.draft_len + 1)
-
 
 Draw = Callable[[np.ndarray, int], tuple[np.ndarray, "TokenDistribution | None"]]
 
@@ -57,4 +42,27 @@ def draft_tokens(draft, pending: list[list[int]], num_tokens: int, draw: Draw
     return tokens, [dists[:, row] for row in range(batch)]
 
 
-SPECULATIVE = Speculative()
+def draft_chains(draft, pending: list[list[int]], draft_lens: Sequence[int], params: Sequence[SamplingParams],
+                 rngs: Sequence[np.random.Generator], wanted: Sequence[bool]) -> tuple[np.ndarray, list | None]:
+    """SD's proposals for the rows of a draft view: feed each row's pending tokens (its bonus token last), then draft
+    max(K) tokens, row r's first ``draft_lens[r]`` drawn by its own parameters and stream (the rest, and every token
+    of a row not ``wanted``, the argmax: never drawn, never verified). Tokens [B, K_max] and, when any wanted row
+    samples, every row's K_max distributions (a greedy row's: point masses)."""
+    sampled = any(not p.greedy for p, w in zip(params, wanted) if w)
+
+    def draw(logits: np.ndarray, i: int):
+        tokens, q = draw_rows(logits, params, rngs, [w and i < k for w, k in zip(wanted, draft_lens)])
+        return tokens, (TokenDistribution.point_mass(tokens) if q is None and sampled else q)
+    most = max(k for k, w in zip(draft_lens, wanted) if w)
+    tokens, dists = draft_tokens(draft, pending, most, draw)
+    validate_tokens(tokens, (len(pending), most), draft.spec.vocab_size, "a chain")
+    return tokens, dists
+
+
+def validate_tokens(tokens: np.ndarray, shape: tuple[int, ...], vocab: int, what: str) -> None:
+    """Refuse drafted tokens of the wrong shape or outside the vocabulary (garbage from the draft is a draft failure,
+    never an output)."""
+    tokens = np.asarray(tokens)
+    if tokens.shape != shape or (tokens.size and (tokens.min() < 0 or tokens.max() >= vocab)):
+        raise ValueError(f"draft returned a malformed speculation in {what} (shape {tokens.shape}, expected {shape}, "
+                         f"tokens within 0..{vocab - 1})")

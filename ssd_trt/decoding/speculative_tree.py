@@ -2,7 +2,7 @@
 w_d tokens; sampling: w_d i.i.d. draws from q, as the multi-draft rule requires); the target scores the
 whole tree in one pass with the tree mask, the accepted root-to-leaf path is kept in its KV cache
 (``keep``) and the rest rolled back. ``--mode sd --tree-widths 2,2,1``; the engine step runs it
-(``batching/round.py``).
+(``decoding/round.py``).
 """
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ class RoundStats:
     lookups_by_k: Counter = field(default_factory=Counter)
     backup_rounds: Counter = field(default_factory=Counter)
     draft_failures: list[str] = field(default_factory=list)
-    draft_hung: bool = False          # a draft call timed out and may still be running
 
     @classmethod
     def merged(cls, parts: list["RoundStats"], mode: str, draft_len: int) -> "RoundStats":
@@ -50,6 +49,12 @@ class RoundStats:
         if hit:
             self.hits += 1
             self.hits_by_k[accepted] += 1
+
+    def note_draft_failure(self, failure: BaseException) -> None:
+        """The draft failed while this request ran (recorded once per failure)."""
+        text = f"{type(failure).__name__}: {failure}"
+        if text not in self.draft_failures:
+            self.draft_failures.append(text)
 
     def add_time(self, draft_s: float = 0.0, verify_s: float = 0.0, wait_s: float = 0.0) -> None:
         self.draft_s += draft_s

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from plugins.tree_attention.masks import causal_tree_mask
+from ssd_trt_plugins.tree_attention.masks import causal_tree_mask
 from ssd_trt.models.decoder import Decoder, with_target_features
 from ssd_trt.models.eagle3 import default_feature_layers
 from ssd_trt.models.loading import decoder_from_checkpoint

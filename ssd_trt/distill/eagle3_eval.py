@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from plugins.tree_attention.masks import causal_tree_mask
+from ssd_trt_plugins.tree_attention.masks import causal_tree_mask
 from ssd_trt.models.decoder import Decoder
 from ssd_trt.models.eagle3 import Eagle3Draft
 

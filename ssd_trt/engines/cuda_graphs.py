@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from plugins.tree_attention.masks import pack_tree_mask
+from ssd_trt_plugins.tree_attention.masks import pack_tree_mask
 from ssd_trt.engines.base import all_indices
 from ssd_trt.engines.profiles import Profile
 

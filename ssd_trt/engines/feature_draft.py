@@ -121,12 +121,12 @@ class FeatureDraftEngine(TokenMirrorEngine):
         from_target = np.zeros((batch, steps), dtype=bool)
         paths = []
         for row in range(batch):
-            # a path is kept from `offset` on: every key it is asked for starts at or after it (Path.key)
+            # a path is kept from `offset` on: every key it is asked for starts at or after it (TokenPath.key)
             offset = max(0, min(int(start[row]), int(self._known[row])) - PATH_WINDOW)
             prefix = self._slots[row, offset:start[row]]
             row_paths = []
             for i in range(steps):
-                path = Path(offset, np.concatenate([prefix, self.visible(input_ids, tree_mask, row, i)]))
+                path = TokenPath(offset, np.concatenate([prefix, self.visible(input_ids, tree_mask, row, i)]))
                 position = int(position_ids[row, i])
                 row_paths.append((position, path))
                 from_target[row, i], vector = self._carried(row, position, path)
@@ -141,7 +141,7 @@ class FeatureDraftEngine(TokenMirrorEngine):
         self._record(input_ids, start)
         return logits
 
-    def _carried(self, row: int, position: int, path: "Path") -> tuple[bool, np.ndarray]:
+    def _carried(self, row: int, position: int, path: "TokenPath") -> tuple[bool, np.ndarray]:
         """(from the target?, the feature) for the token at ``position`` on ``path``: its parent's, else the
         nearest ancestor's that exists."""
         for parent in range(position - 1, -1, -1):
@@ -156,7 +156,7 @@ class FeatureDraftEngine(TokenMirrorEngine):
 
 
 @dataclass(frozen=True, slots=True)
-class Path:
+class TokenPath:
     """The tokens a new token sees, from position ``offset`` to its own (tokens[i] sits at offset + i)."""
     offset: int
     tokens: np.ndarray

@@ -15,7 +15,7 @@ from typing import ContextManager, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from plugins.tree_attention.masks import causal_tree_mask, pack_tree_mask
+from ssd_trt_plugins.tree_attention.masks import causal_tree_mask, pack_tree_mask
 from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_META_ONE_TOKEN_TWICE, \
     GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineDefaults, EngineSpec, all_indices, check_room, checked_rollback, \
     past_names, present_names

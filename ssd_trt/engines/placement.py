@@ -14,6 +14,5 @@ class ModelPlacement:
     cores: tuple[int, ...] | None = None    # None: let the OS place the threads
     threads: int = 1
     spin: bool = True                      # spin-waiting pays only when the model has its cores to itself
-    timeout_s: float = 60.0                # a call that takes longer is abandoned (the draft in SSD)
     alone_cores: tuple[int, ...] | None = None     # steps taken while the other model is idle (Engine.alone)
     alone_threads: int = 1                 # at most ``threads``: no such steps

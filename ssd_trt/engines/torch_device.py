@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from plugins.tree_attention.reference import tree_attention_reference
-from plugins.tree_attention.triton_kernel import tree_attention as triton_tree_attention
+from ssd_trt_plugins.tree_attention.reference import tree_attention_reference
+from ssd_trt_plugins.tree_attention.triton_kernel import tree_attention as triton_tree_attention
 from ssd_trt.engines.base import EngineSpec
 from ssd_trt.engines.device_step import DeviceStepEngine, Placement, StepBuffers, StepExtras
 from ssd_trt.models.decoder import Decoder

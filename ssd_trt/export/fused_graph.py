@@ -31,7 +31,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from plugins.tree_attention.onnx_function import mask_nodes
+from ssd_trt_plugins.tree_attention.onnx_function import mask_nodes
 from ssd_trt.engines.base import GRAPH_META_ONE_TOKEN_TWICE, GRAPH_OUTPUT_LOGITS, past_names, present_names
 from ssd_trt.export.block_weights import block_matmul
 from ssd_trt.export.onnx_export import CACHE_AXES, STEP_DYNAMIC_AXES

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from plugins.tree_attention.onnx_function import DOMAIN, NAME, mask_nodes
+from ssd_trt_plugins.tree_attention.onnx_function import DOMAIN, NAME, mask_nodes
 from ssd_trt.engines.base import GRAPH_OUTPUT_LOGITS, past_names, present_names
 
 NATIVE_OPSET = 24      # TensorScatter is opset 24; Attention and RotaryEmbedding 23

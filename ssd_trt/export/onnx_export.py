@@ -18,8 +18,8 @@ import onnx
 import torch
 from onnx import external_data_helper, helper
 
-from plugins.tree_attention.masks import causal_tree_mask
-from plugins.tree_attention.onnx_function import (DOMAIN, MASKED_NAME, NAME, OPSET, mask_nodes,
+from ssd_trt_plugins.tree_attention.masks import causal_tree_mask
+from ssd_trt_plugins.tree_attention.onnx_function import (DOMAIN, MASKED_NAME, NAME, OPSET, mask_nodes,
                                                   masked_attention_function, tree_attention_function)
 from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_INPUTS, GRAPH_OUTPUT_FEATURES, \
     GRAPH_OUTPUT_LOGITS, past_names, present_names

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.tree_attention.masks import causal_tree_mask
+from ssd_trt_plugins.tree_attention.masks import causal_tree_mask
 from ssd_trt.models.decoder import Decoder
 from ssd_trt.models.sources import ResolvedSource
 

@@ -233,7 +233,7 @@ def export_streamed(checkpoint: Checkpoint, out_dir: Path, weights_file: str, dt
 def check_structure(graph: onnx.ModelProto, config: DecoderConfig) -> None:
     """The full graph, whose numbers are checked only on its first layers: one attention per layer and no weight
     left unbound (every bound one had the shape the config implies: ``bind_weights``)."""
-    from plugins.tree_attention.onnx_function import NAME
+    from ssd_trt_plugins.tree_attention.onnx_function import NAME
     attention = sum(node.op_type == NAME for node in graph.graph.node)
     if attention != config.num_layers:
         raise ValueError(f"the streamed graph has {attention} attention nodes for {config.num_layers} layers")

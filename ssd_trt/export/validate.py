@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plugins.tree_attention.masks import pack_tree_mask
+from ssd_trt_plugins.tree_attention.masks import pack_tree_mask
 from ssd_trt.engines.base import GRAPH_OUTPUT_LOGITS
 from ssd_trt.export.onnx_export import cache_names, io_names
 from ssd_trt.models.config import DecoderConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.tree_attention.reference import tree_attention_reference
+from ssd_trt_plugins.tree_attention.reference import tree_attention_reference
 
 OP_NAMESPACE = "ssd"
 OP_NAME = "tree_attention"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import onnx
 
-from plugins.tree_attention.trt_plugin import PLUGIN_NAME, validate_onnx_node
+from ssd_trt_plugins.tree_attention.trt_plugin import PLUGIN_NAME, validate_onnx_node
 from ssd_trt.manifest import sha256_file
 from ssd_trt.engines.availability import probe_tensorrt
 from ssd_trt.engines.bindings import BindingLayout
@@ -170,7 +170,7 @@ def _build_with_tensorrt(edition: Edition, role: str, root: Path, onnx_path: Pat
     if edition is DATACENTER:
         import torch
 
-        from plugins.tree_attention import trt_plugin
+        from ssd_trt_plugins.tree_attention import trt_plugin
         major, minor = torch.cuda.get_device_capability(0)
         capabilities = (f"sm{major}{minor}",)
         trt_plugin.register(major * 10 + minor)

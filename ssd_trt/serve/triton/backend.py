@@ -27,7 +27,7 @@ import numpy as np
 
 from ssd_trt.batching.engine import LLMEngine, RequestOutput
 from ssd_trt.decoding.params import SamplingParams
-from ssd_trt.decoding.settings import Settings, settings_from
+from ssd_trt.decoding.settings import ResolvedMode, Settings, parse_mode
 from ssd_trt.detokenize import Detokenizer
 from ssd_trt.engines.affinity import pin
 from ssd_trt.errors import RequestError, SsdTrtError
@@ -44,7 +44,7 @@ class Job:
     """One validated request, in the engine."""
     prompt_ids: list[int]
     params: SamplingParams
-    mode: Settings
+    mode: ResolvedMode              # resolved once, when the request was checked
     stream: bool
     sender: Any                     # the request's InferenceResponseSender
     received: float = field(default_factory=time.perf_counter)
@@ -91,7 +91,7 @@ def _tree_widths(request, pb_utils) -> tuple[int, ...] | None:
 def request_settings(values: dict[str, Any], tree_widths: tuple[int, ...] | None) -> Settings:
     """The request's mode and the decoding options it set (``values``: the optional inputs, None where absent)."""
     mode = DEFAULT_MODE if values["mode"] is None else _text(values["mode"], "mode").strip().lower()
-    return settings_from(
+    return parse_mode(
         mode, lambda name: f"input '{name}'",
         draft_len=None if values["draft_len"] is None else int(values["draft_len"]),
         fan_out_budget=None if values["fan_out_budget"] is None else int(values["fan_out_budget"]),
@@ -120,8 +120,8 @@ def parse_request(request, pb_utils, generator: Generator, streaming_model: bool
         seed=None if values["random_seed"] is None else int(values["random_seed"]),
         stop_on_eos=not bool(values["ignore_eos"]), stop=_stop_words(request, pb_utils))
     ids = generator.encode(prompt, chat=bool(values["chat"]) if values["chat"] is not None else False)
-    [ids], _ = generator.check_request([ids], params, mode)     # the runtime's one request check
-    return Job(ids, params, mode, stream, request.get_response_sender())
+    [ids], resolved = generator.check_request([ids], params, mode)     # the runtime's one request check
+    return Job(ids, params, resolved, stream, request.get_response_sender())
 
 
 def request_stats(stats: dict[str, Any], row_tokens: int) -> dict[str, float | int]:
@@ -137,9 +137,9 @@ def request_stats(stats: dict[str, Any], row_tokens: int) -> dict[str, float | i
 class StepLoop:
     """One thread that runs the engine's steps while any request is unfinished, and sleeps otherwise."""
 
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+    def __init__(self, llm: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
                  on_error: Callable[[BaseException], None], cores: tuple[int, ...] | None) -> None:
-        self.engine, self.on_outputs, self.on_error, self.cores = engine, on_outputs, on_error, cores
+        self.llm, self.on_outputs, self.on_error, self.cores = llm, on_outputs, on_error, cores
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="ssd-trt-step", daemon=True)
@@ -159,9 +159,9 @@ class StepLoop:
         while True:
             self._wake.wait()
             self._wake.clear()
-            while self.engine.has_unfinished():
+            while self.llm.has_unfinished():
                 try:
-                    outputs = self.engine.step()
+                    outputs = self.llm.step()
                 except Exception as exc:  # noqa: BLE001 -- every request must still get a final response
                     self.on_error(exc)
                     continue
@@ -226,7 +226,7 @@ class ModelServer:
         self.pb = pb_utils
         self.streaming_model = streaming_model
         self.log = log
-        self.engine = LLMEngine(generator, max_running=max_running, calibrate=True)
+        self.llm = LLMEngine(generator, max_running=max_running, calibrate=True)
         self.triton_metrics = TritonMetrics(pb_utils, model_name)
         self.jobs: dict[str, Job] = {}
         self._ids = 0
@@ -234,7 +234,7 @@ class ModelServer:
         self._outbox: queue.Queue = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name="ssd-trt-send", daemon=True)
         self._sender.start()
-        self.loop = StepLoop(self.engine, self._deliver, self.fail_all, generator.options.target_cores)
+        self.loop = StepLoop(self.llm, self._deliver, self.fail_all, generator.options.target_cores)
 
     @classmethod
     def from_config(cls, model_config: dict, pb_utils) -> "ModelServer":
@@ -272,7 +272,7 @@ class ModelServer:
                     request_id = str(self._ids)
                     self.jobs[request_id] = job
                 try:
-                    self.engine.add_request(job.prompt_ids, job.params, job.mode, request_id=request_id)
+                    self.llm.add_request(job.prompt_ids, job.params, job.mode, request_id=request_id)
                 except BaseException:
                     with self._lock:
                         self.jobs.pop(request_id, None)
@@ -285,7 +285,7 @@ class ModelServer:
 
     def close(self) -> None:
         self.loop.close()
-        self.engine.close()
+        self.llm.close()
         self._outbox.put(None)
         self._sender.join(30.0)
 
@@ -302,7 +302,7 @@ class ModelServer:
             if job is None:
                 continue
             if output.finished:
-                self._outbox.put((job, "final", (output.new_tokens, self.engine.take_result(output.request_id))))
+                self._outbox.put((job, "final", (output.new_tokens, self.llm.take_result(output.request_id))))
             elif job.stream and output.new_tokens:
                 self._outbox.put((job, "chunk", output.new_tokens))
 
@@ -356,7 +356,7 @@ class ModelServer:
                 self._abort_cancelled()
             if now - exported >= METRICS_EVERY_S:
                 exported = now
-                self.triton_metrics.update(self.engine.metrics)
+                self.triton_metrics.update(self.llm.metrics)
 
     def _send_entries(self, job: Job, entries: list[tuple[str, Any]]) -> None:
         """One response for a request's queued entries: its chunks' tokens joined, the final response (or
@@ -372,7 +372,7 @@ class ModelServer:
                 return
             else:
                 new_tokens, seq = payload
-                self.triton_metrics.update(self.engine.metrics)    # a client that got its answer reads metrics that count it
+                self.triton_metrics.update(self.llm.metrics)    # a client that got its answer reads metrics that count it
                 self._send_now(job, self._final_response(job, tokens + new_tokens, seq), final=True)
                 return
         if tokens:
@@ -402,7 +402,7 @@ class ModelServer:
             cancelled = getattr(job.sender, "is_cancelled", None)
             if job.gone or (cancelled is not None and cancelled()):
                 job.gone = True
-                self.engine.abort(request_id)
+                self.llm.abort(request_id)
 
     def _response(self, text: str, token_ids: list[int], stats: dict | None = None):
         tensors = [self.pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
@@ -421,5 +421,5 @@ class ModelServer:
         with self._lock:
             jobs, self.jobs = self.jobs, {}
         for request_id, job in jobs.items():
-            self.engine.abort(request_id)
+            self.llm.abort(request_id)
             self._outbox.put((job, "error", exc))

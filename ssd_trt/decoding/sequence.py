@@ -13,8 +13,9 @@ from typing import Callable
 import numpy as np
 
 from ssd_trt.decoding.feature_relay import FeatureLog
-from ssd_trt.decoding.mode import ResolvedMode
 from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.sampling import TokenDistribution
+from ssd_trt.decoding.settings import ResolvedMode
 from ssd_trt.decoding.stats import RoundStats
 
 FINISH_REASONS = ("eos", "stop", "length", "abort", "error")
@@ -22,10 +23,11 @@ FINISH_REASONS = ("eos", "stop", "length", "abort", "error")
 
 @dataclass
 class Speculation:
-    """The next round's drafted tokens for one request, the distributions they were drawn from (None when
-    greedy) and where they came from: primary (a cache hit) | jit | ngram."""
+    """K drafted tokens for one request, the distributions they were drawn from (K rows; None when greedy) and where
+    they came from: sd (a chain drafted in turn with the verification) | primary (an SSD cache hit) | jit (drafted
+    just in time) | ngram (prompt lookup)."""
     tokens: np.ndarray
-    dists: object | None
+    dists: TokenDistribution | None
     source: str
 
 
@@ -71,23 +73,21 @@ class SequenceState:
     speculation: Speculation | None = None    # SSD: the next round's tokens, ready
     features: FeatureLog | None = None        # the target's features of the verified tokens (for an EAGLE-3 draft)
     stats: RoundStats | None = None
-    adaptive: bool = False                    # SSD with K and budget left to the build: the policy adapts them
     added_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
 
     @classmethod
     def create(cls, request_id: str, prompt: list[int], params: SamplingParams, resolved: ResolvedMode,
-               eos_ids: frozenset[int], decode: Callable[[list[int]], str], stream: int = 0,
-               adaptive: bool = False) -> "SequenceState":
+               eos_ids: frozenset[int], decode: Callable[[list[int]], str], stream: int = 0) -> "SequenceState":
         """Two random streams from the request's seed (and ``stream``: independent ones for the prompts of one
         batch): the target's draws and the draft's. Unseeded: fresh entropy."""
         seed = params.seed
         rng, draft_rng = (np.random.default_rng() for _ in range(2)) if seed is None else \
             (np.random.default_rng([seed, stream, role]) for role in range(2))
-        stats = RoundStats(mode=resolved.name, draft_len=resolved.draft_len or 0)
+        stats = RoundStats(mode=resolved.name, draft_len=resolved.settings.checked_draft_len or 0)
         return cls(request_id, list(prompt), params, resolved, StopRule(params, eos_ids, decode), rng, draft_rng,
-                   stats=stats, adaptive=adaptive)
+                   stats=stats)
 
     @property
     def finished(self) -> bool:

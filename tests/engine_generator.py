@@ -1,4 +1,5 @@
-"""The runtime's :class:`~ssd_trt.runtime.Generator` over engines the caller opened instead of a build directory:
+"""The runtime's :class:`~ssd_trt.runtime.Generator` over engines the caller opened instead of a build directory (for
+the tests and the research scripts; not part of the installed package):
 ``DeviceStepEngine`` on a GPU (``research/gpu``), the tests' trigram models with exact probabilities, engines with
 injected faults. ``generate_ids`` (token ids in, token ids out) then runs the engine step exactly as it does for a
 build; with no tokenizer, result texts spell the token ids."""
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ssd_trt.batching.policy import CostCurves
+from ssd_trt.batching.policy import Learned
 from ssd_trt.engines.factory import free_slots
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.recipe import DecodingDefaults
@@ -49,10 +50,10 @@ class GeneratorOverEngines(Generator):
                  options: RuntimeOptions | None = None, tokenizer=None) -> None:
         self.engines = Engines({"target": target} if draft is None else {"target": target, "draft": draft})
         self.limits, self.defaults, self.eos_ids = limits, defaults, eos_ids
-        self.options = options or RuntimeOptions()
+        self.options = (options or RuntimeOptions()).for_build(threads_per_engine=1)
         self.tokenizer = tokenizer or TokenIds()
         self.vocab_size = self.engine("target").spec.vocab_size
-        self.cost_curves, self.load_policies, self.ssd_yields = CostCurves(), {}, {}
+        self.learned = Learned()
 
     def decoding_defaults(self, params=None) -> DecodingDefaults:
         return self.defaults

@@ -1,0 +1,38 @@
+"""The prompts of requests that just joined the rows, fed to the target between rounds, and their first tokens."""
+from __future__ import annotations
+
+from ssd_trt.decoding.feature_relay import target_features
+from ssd_trt.decoding.sampling import draw_rows
+from ssd_trt.decoding.sequence import SequenceState
+from ssd_trt.engines.base import Engine
+from ssd_trt.engines.feeding import feed_ragged
+
+PADDING_WASTE = 0.15     # adjacent prompts share a forward while right-padding them to the longest wastes less
+
+
+def prefill(target: Engine, rows: list[SequenceState]) -> list[tuple[SequenceState, list[int]]]:
+    """Feed the prompts of the ``rows`` (the target's, in order) not yet prefilled, on their own rows, and commit
+    each one's first token, drawn by its own parameters and stream: what each committed. Runs while the draft is idle
+    (``Engine.alone``: on the draft's cores too)."""
+    index = {id(s): i for i, s in enumerate(rows)}
+    runs: list[list[SequenceState]] = []
+    for seq in (s for s in rows if s.unfed is None and not s.tokens):
+        run = runs[-1] if runs else []
+        longest = max([len(s.prompt) for s in run + [seq]])
+        # (a prefill costs the same per token at any batch on a CPU: padding is pure loss)
+        if run and index[id(run[-1])] + 1 == index[id(seq)] and \
+                longest * (len(run) + 1) <= (1 + PADDING_WASTE) * sum(len(s.prompt) for s in run + [seq]):
+            run.append(seq)
+        else:
+            runs.append([seq])
+    committed = []
+    for run in runs:
+        first = index[id(run[0])]
+        with target.alone():
+            logits = feed_ragged(target.rows(first, first + len(run)), [s.prompt for s in run])
+        for r, seq in enumerate(run):
+            if seq.features is not None:
+                seq.features.append(0, target_features(target)[r, :len(seq.prompt)])
+        tokens, _ = draw_rows(logits, [s.params for s in run], [s.rng for s in run])
+        committed += [(seq, seq.commit([int(token)])) for seq, token in zip(run, tokens)]
+    return committed
