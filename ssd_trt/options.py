@@ -70,6 +70,13 @@ class RuntimeOptions:
         return not (shared and max(self.target_threads, self.draft_threads) > 1)
 
     @property
+    def step_cores(self) -> tuple[int, ...] | None:
+        """Where the thread that runs the engine step (and calls the target) runs: the target's first core. ONNX
+        Runtime pins its other threads of a step to the cores after it (``engines/ort.py``); a caller left to roam
+        the target's cores meets them (AR on two cores: 1-2% slower)."""
+        return self.target_cores[:1] if self.target_cores else None
+
+    @property
     def alone_cores(self) -> tuple[int, ...] | None:
         """The target's cores, then the draft's (None: either is left to the OS)."""
         if self.target_cores is None or self.draft_cores is None:

@@ -124,7 +124,7 @@ class Generator:
         cancelled = False
         started = time.perf_counter()
         try:
-            with pinned(self.options.target_cores):
+            with pinned(self.options.step_cores):
                 ids = [llm.add_request(p, params, resolved, stream=row) for row, p in enumerate(prompt_ids)]
                 row_of = {request_id: row for row, request_id in enumerate(ids)}
                 shown = [0] * len(ids)          # tokens the callback has seen, per row

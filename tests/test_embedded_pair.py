@@ -88,26 +88,29 @@ def test_generate_cli_reports_ssd_statistics(smollm2_build):
 
 
 def test_steps_on_the_draft_cores_too_compute_the_same_logits_bit_for_bit(smollm2_build):
-    """The target's steps taken while the draft is idle run on a second, two-thread session over the same KV
-    buffers (``Engine.alone``). Greedy output may only stay identical if that session's logits equal the
-    one-core session's exactly: checked at the shapes the engine step runs (1 to 16 rows, 1 to 5 tokens, a
-    prefill), the two sessions taking turns on one cache, in both orders (each step once by either)."""
+    """The target's steps taken while the draft is idle run on two-thread sessions over the same KV buffers
+    (``Engine.alone``: one whose threads stop spinning after each step, one whose threads spin on). Greedy output
+    may only stay identical if those sessions' logits equal the one-core session's exactly: checked at the shapes
+    the engine step runs (1 to 16 rows, 1 to 5 tokens, a prefill), the three sessions taking turns on one cache, in
+    every rotation (each step once by each)."""
     gen = ssd_trt.load(smollm2_build)
     target = gen.engine("target")
-    assert target.alone_session is not None, "the default placement (target core 0, draft core 1) lends core 1"
+    assert set(target.alone_sessions) == {False, True}, "the default placement (target core 0, draft core 1) lends core 1"
     rng = np.random.default_rng(3)
+    sessions = [None, False, True]           # the one-core session, alone, alone spinning
     for rows in (1, 3, 16):
         prompt = rng.integers(100, 20000, (rows, 37))
         chunks = [rng.integers(100, 20000, (rows, size)) for size in (1, 2, 1, 3, 5, 1)]
         results = []
-        for first_alone in (False, True):
+        for shift in range(len(sessions)):
             target.reset(rows)
             out = []
             for i, ids in enumerate([prompt] + chunks):
-                alone = (i % 2 == 0) == first_alone
-                with target.alone() if alone else nullcontext():
+                spin = sessions[(i + shift) % len(sessions)]
+                with target.alone(spin) if spin is not None else nullcontext():
                     out.append(target.forward(ids, target.lengths[:, None] + np.arange(ids.shape[1])))
             results.append(out)
-        for i, (one_order, other_order) in enumerate(zip(*results)):
-            assert np.array_equal(one_order, other_order), f"{rows} rows, step {i}: the two sessions disagree"
+        for i, steps in enumerate(zip(*results)):
+            assert all(np.array_equal(steps[0], other) for other in steps[1:]), \
+                f"{rows} rows, step {i}: the sessions disagree"
     gen.engines.free_slots()

@@ -144,3 +144,17 @@ def test_a_curve_never_timed_is_an_error_not_a_guess():
     costs = CostCurves({("target", 2, 2): 0.02, ("target", 8, 2): 0.08})
     assert costs.cost("target", 4, 2) == pytest.approx(0.04)     # interpolated between measured row counts
     assert costs.cost("target", 4, 4) == pytest.approx(0.08)     # scaled from the nearest measured tokens
+
+
+def test_a_family_sharing_its_batch_with_autoregressive_rows_counts_only_its_own_gains():
+    """A mixed batch: the target verifies every row at the widest feed, so the autoregressive rows pay for the
+    family's speculation (padded to K'+1) and gain nothing from it. With 8 rows of the family speculation pays here;
+    with 4 of its rows among 4 autoregressive ones it does not (the model once counted every row of the batch as the
+    family's: a mixed batch then speculated where it should not)."""
+    costs, measured = curves(0.04), Yield(prior_acceptance=0.6)
+    alone = options(SETTINGS, 8, costs, measured)
+    assert max(alone, key=lambda n: alone[n].estimate).startswith("ssd")
+    mixed = options(SETTINGS, 8, costs, measured, rows=4)
+    assert max(mixed, key=lambda n: mixed[n].estimate) == "ar"
+    assert mixed["ar"].batch == 8 and mixed["ar"].estimate == pytest.approx(alone["ar"].estimate)
+    assert LoadPolicy().choose(SETTINGS, 8, costs, measured, rows=4).name == "ar"

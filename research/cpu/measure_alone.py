@@ -60,9 +60,9 @@ def main() -> int:
     from ssd_trt.engines.factory import EngineSet
     from ssd_trt.manifest import read_manifest
     from ssd_trt.options import RuntimeOptions
-    options = RuntimeOptions()
+    options = RuntimeOptions().for_build(threads_per_engine=1)
     engine = EngineSet(args.build, read_manifest(args.build), {"target": options.placement("target")}).get("target")
-    if engine.alone_session is None:
+    if not engine.alone_sessions:
         raise SystemExit("the default placement has no second core here: nothing to compare")
     steps = {(rows, tokens): {"one_core": [], "two_cores": []} for rows in ROWS for tokens in TOKENS}
     prefills = {rows: {"one_core": [], "two_cores": []} for rows in ROWS}

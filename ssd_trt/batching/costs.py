@@ -3,8 +3,13 @@ What the load policy's model prices its options with (``policy.py``)."""
 from __future__ import annotations
 
 import bisect
+import fcntl
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -15,6 +20,15 @@ TARGET_ALONE = "target alone"     # the cost curve of target steps taken while t
 def running_average(old: float | None, new: float, weight: float = EMA) -> float:
     """The exponential running average after ``new`` (``new`` itself as the first value)."""
     return new if old is None else (1 - weight) * old + weight * new
+
+
+def settling_average(old: float | None, count: int, new: float, memory: float) -> float:
+    """The average after ``new``, the ``count + 1``-th observation: the plain mean of the first 1 / ``memory``
+    observations, then an exponential running average with weight ``memory`` (a first observation counts once, not
+    as the whole history, and the average still follows a drift)."""
+    if old is None:
+        return new
+    return old + max(1.0 / (count + 1), memory) * (new - old)
 
 
 @dataclass
@@ -70,6 +84,20 @@ class CostCurves:
             if wanted:
                 for tokens, seconds in timed_steps(engine, count, wanted).items():
                     self.seconds[(role, count, tokens)] = seconds
+
+
+@contextmanager
+def timing_alone() -> Iterator[None]:
+    """Time steps with no other ssd_trt process on this machine timing its own: Triton loads a model and its
+    non-streaming twin at once, each in its own process, and two calibrations on the same cores would each time the
+    other's steps into its costs (then every option scored from a shape never run since stays wrong: 1.8x too slow
+    for AR at 8 rows, seen as a server speculating where AR was twice as fast). A file lock, released on exit."""
+    with open(Path(tempfile.gettempdir()) / "ssd-trt-timing.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def timed_steps(engine, rows: int, token_counts: list[int], context: int = 32, repeats: int = 3

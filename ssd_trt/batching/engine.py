@@ -149,12 +149,12 @@ class LLMEngine:
         round."""
         scheduler, target = self.scheduler, self.context.target
         scheduler.lay_out(plan.rounds, target, self.lane)
-        for seq, tokens in prefill(target, scheduler.target_rows):
+        rounds = [plan.rounds[id(s)] for s in scheduler.target_rows]
+        for seq, tokens in prefill(target, scheduler.target_rows, spin=not any(p.works_draft for p in rounds)):
             outputs.emit(seq, tokens)
         if scheduler.draft_rows and not self.lane.failed:
             relay_features(self.lane.engine, scheduler.draft_rows)
-        rows = scheduler.target_rows
-        return rows, run_round(self.context, rows, [plan.rounds[id(s)] for s in rows], len(scheduler.draft_rows))
+        return scheduler.target_rows, run_round(self.context, scheduler.target_rows, rounds, len(scheduler.draft_rows))
 
     def _report(self, rows: list[SequenceState], report: RoundReport, plan: Plan, outputs: Outputs) -> None:
         for seq, result in zip(rows, report.rows):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ssd_trt.batching.costs import TARGET_ALONE
+from ssd_trt.batching.costs import TARGET_ALONE, timing_alone
 from ssd_trt.batching.policy import Choice, Learned, LoadPolicy, miss_backup, step_shapes
 from ssd_trt.decoding.draft_lane import DraftLane
 from ssd_trt.decoding.params import SamplingParams
@@ -56,7 +56,8 @@ class RoundPlanner:
             elif mode.name == "sd":
                 plan.rounds[id(seq)] = RoundPlan("sd", settings)
             elif not mode.adaptive:
-                backup = miss_backup(settings, batch, self.learned.costs, self.learned.yield_of(settings))
+                rows = sum(s.resolved.settings == settings for s in running)
+                backup = miss_backup(settings, batch, self.learned.costs, self.learned.yield_of(settings), rows)
                 plan.rounds[id(seq)] = RoundPlan("ssd", settings.speculating(settings.draft_len, backup))
             else:
                 if settings not in families:
@@ -69,18 +70,18 @@ class RoundPlanner:
         return plan
 
     def _choose(self, family: SSD, running: list[SequenceState], draft_rows: set[int]) -> Choice:
-        batch = len(running)
+        batch, members = len(running), [s for s in running if s.resolved.adaptive and s.resolved.settings == family]
         if self.learned.timed_up_to.get(timing_key(family), 0) < batch:
             # not timed at this batch size (it grew while rows were live): as set, until the engines are idle again
             choice = Choice("as set", family.speculating(family.draft_len, miss_backup(
-                family, batch, self.learned.costs, self.learned.yield_of(family))), {})
+                family, batch, self.learned.costs, self.learned.yield_of(family), len(members))), {})
         else:
             # tokens the draft must feed before these requests can speculate: what their draft rows missed, and the
             # whole history of those it holds no row for
             backlog = sum(len(s.draft_pending) if id(s) in draft_rows else len(s.prompt) + len(s.tokens)
-                          for s in running if s.resolved.adaptive and s.resolved.settings == family)
+                          for s in members)
             choice = self.learned.policy(family).choose(family, batch, self.learned.costs,
-                                                        self.learned.yield_of(family), backlog)
+                                                        self.learned.yield_of(family), backlog, len(members))
         self.last_choice = {"batch": batch, "chose": choice.name, **choice.scores}
         return choice
 
@@ -98,10 +99,11 @@ class RoundPlanner:
             if self.learned.timed_up_to.get(key, 0) >= top or lane.failed:
                 continue
             shapes = step_shapes(family)
-            costs.calibrate(target, "target", sizes, shapes.get("target", []))
-            with target.alone():
-                costs.calibrate(target, TARGET_ALONE, sizes, shapes.get(TARGET_ALONE, []))
-            costs.calibrate(lane.engine, "draft", sizes, shapes.get("draft", []))
+            with timing_alone():
+                costs.calibrate(target, "target", sizes, shapes.get("target", []))
+                with target.alone():
+                    costs.calibrate(target, TARGET_ALONE, sizes, shapes.get(TARGET_ALONE, []))
+                costs.calibrate(lane.engine, "draft", sizes, shapes.get("draft", []))
             self.learned.timed_up_to[key] = top
 
     def observe(self, rows: list[SequenceState], report: RoundReport, plan: Plan) -> None:

@@ -23,7 +23,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ssd_trt.batching.costs import TARGET_ALONE, CostCurves, running_average
+from ssd_trt.batching.costs import TARGET_ALONE, CostCurves, running_average, settling_average
 from ssd_trt.decoding.settings import SD, SSD
 
 # weight of the newest observation in the running averages of a row-round's accepted tokens and of a lookup's hit: a
@@ -35,18 +35,23 @@ PRIOR_HIT_RATE = 0.7
 
 @dataclass
 class Yield:
-    """Running averages of what adaptive SSD requests' rounds produced: accepted tokens per (K, hit | backup
-    source | ``sd``: drafted in turn), the hit rate."""
+    """Averages of what SSD requests' rounds produced (``costs.settling_average``): accepted tokens per (K, hit |
+    backup source | ``sd``: drafted in turn), the hit rate."""
     prior_acceptance: float
     accepted: dict[tuple[int, str], float] = field(default_factory=dict)
+    rounds: dict[tuple[int, str], int] = field(default_factory=dict)
     hit_rate: float | None = None
+    lookups: int = 0
 
     def observe_round(self, draft_len: int, source: str, accepted: int) -> None:
         key = (draft_len, "primary" if source == "primary" else source)
-        self.accepted[key] = running_average(self.accepted.get(key), accepted, YIELD_EMA)
+        count = self.rounds.get(key, 0)
+        self.accepted[key] = settling_average(self.accepted.get(key), count, accepted, YIELD_EMA)
+        self.rounds[key] = count + 1
 
     def observe_lookup(self, hit: bool) -> None:
-        self.hit_rate = running_average(self.hit_rate, float(hit), YIELD_EMA)
+        self.hit_rate = settling_average(self.hit_rate, self.lookups, float(hit), YIELD_EMA)
+        self.lookups += 1
 
     def acceptance(self, draft_len: int, source: str) -> float:
         measured = self.accepted.get((draft_len, source))
@@ -58,18 +63,26 @@ class Yield:
 
 @dataclass(frozen=True)
 class Option:
-    """One way to run a round of ``rows`` adaptive SSD rows: ``settings`` (SSD: K and the backup; SD: K' drafted
-    in turn with the verification; None: an autoregressive round), the tokens a row is expected to gain per round
-    (from the measured acceptance and hit rate) and the model's seconds per round (from the cost curves)."""
+    """One way to run a round of ``rows`` adaptive SSD rows of one family among ``others`` rows of other requests:
+    ``settings`` (SSD: K and the backup; SD: K' drafted in turn with the verification; None: an autoregressive
+    round), the tokens a family row is expected to gain per round (from the measured acceptance and hit rate) and
+    the model's seconds per round (from the cost curves)."""
     settings: SSD | SD | None
     rows: int
     tokens: float
     seconds: float
+    others: int = 0
+
+    @property
+    def batch(self) -> int:
+        """Rows in the round."""
+        return self.rows + self.others
 
     @property
     def estimate(self) -> float:
-        """The model's tokens per second for the batch."""
-        return self.rows * self.tokens / self.seconds
+        """The model's tokens per second for the batch (each other row gains its one token a round, whatever the
+        family runs: an autoregressive row's, at the least)."""
+        return (self.rows * self.tokens + self.others) / self.seconds
 
 
 @dataclass(frozen=True)
@@ -83,31 +96,38 @@ class Choice:
     option: Option | None = None
 
 
-def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> dict[str, Option]:
-    """Every option for ``batch`` live sequences -- no speculation; K' = 1..K drafted in turn with the
-    verification (SD rounds); or K' = 1..K speculated beside it with each allowed backup -- with the model's
-    tokens per row and seconds per round (module doc)."""
+def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield, rows: int | None = None
+            ) -> dict[str, Option]:
+    """Every option for ``rows`` sequences of one family (default: all) among ``batch`` live ones -- no speculation;
+    K' = 1..K drafted in turn with the verification (SD rounds); or K' = 1..K speculated beside it with each allowed
+    backup -- with the model's tokens per row and seconds per round (module doc). The target verifies every row of
+    the batch in one step, each at the round's widest feed (the others' rows are right-padded to K'+1); the draft
+    drafts for the family's rows only."""
+    rows = batch if rows is None else rows
+    others = batch - rows
+
     def alone(tokens: int) -> float:
         """A target step while the draft is idle: on the draft's cores too (Engine.alone)."""
         return costs.cost(TARGET_ALONE if costs.covers(TARGET_ALONE, batch, tokens) else "target", batch, tokens)
-    out: dict[str, Option] = {"ar": Option(None, batch, 1.0, alone(1))}
+    out: dict[str, Option] = {"ar": Option(None, rows, 1.0, alone(1), others)}
     for draft_len in range(1, settings.draft_len + 1):
-        in_turn = costs.cost("draft", batch, 1) * draft_len + alone(draft_len + 1)
-        out[f"sd K={draft_len}"] = Option(sd_option(draft_len), batch, 1 + measured.acceptance(draft_len, "sd"),
-                                          in_turn)
+        in_turn = costs.cost("draft", rows, 1) * draft_len + alone(draft_len + 1)
+        out[f"sd K={draft_len}"] = Option(sd_option(draft_len), rows, 1 + measured.acceptance(draft_len, "sd"),
+                                          in_turn, others)
     p_hit = PRIOR_HIT_RATE if measured.hit_rate is None else measured.hit_rate
     backups = ("jit", "ngram") if settings.backup == "auto" else (settings.backup,)
     for draft_len in range(1, settings.draft_len + 1):
         candidate = ssd_option(settings, draft_len, settings.backup)
         verify = costs.cost("target", batch, draft_len + 1)
-        speculate = costs.cost("draft", batch, candidate.tree_tokens) * draft_len + \
-            costs.cost("draft", batch, draft_len + 1)
+        speculate = costs.cost("draft", rows, candidate.tree_tokens) * draft_len + \
+            costs.cost("draft", rows, draft_len + 1)
         for backup in backups:
             per_round = 1 + p_hit * measured.acceptance(draft_len, "primary") + \
                 (1 - p_hit) * measured.acceptance(draft_len, backup)
-            wait = (1 - p_hit ** batch) * costs.cost("draft", batch, 1) * draft_len if backup == "jit" else 0.0
-            out[f"ssd K={draft_len} {backup}"] = Option(ssd_option(settings, draft_len, backup), batch, per_round,
-                                                        max(verify, speculate) + wait)
+            # a just-in-time backup stalls the round when any of the family's rows misses
+            wait = (1 - p_hit ** rows) * costs.cost("draft", rows, 1) * draft_len if backup == "jit" else 0.0
+            out[f"ssd K={draft_len} {backup}"] = Option(ssd_option(settings, draft_len, backup), rows, per_round,
+                                                        max(verify, speculate) + wait, others)
     return out
 
 
@@ -149,16 +169,17 @@ def step_shapes(settings: SSD) -> dict[str, list[int]]:
     return {role: sorted(tokens) for role, tokens in by_role.items()}
 
 
-def miss_backup(settings: SSD, batch: int, costs: CostCurves, measured: Yield) -> str:
-    """The backup of an SSD round at K = ``settings.draft_len`` that left it to the engine (``backup="auto"``): of a
-    just-in-time neural draft and prompt lookup, the one the model scores higher at this batch once its steps were
-    timed; before that, the prior ``settings.critical_batch`` (b*: prompt lookup from b* rows on)."""
+def miss_backup(settings: SSD, batch: int, costs: CostCurves, measured: Yield, rows: int | None = None) -> str:
+    """The backup of an SSD round at K = ``settings.draft_len`` that left it to the engine (``backup="auto"``), for
+    ``rows`` rows with these settings (default: all) among ``batch``: of a just-in-time neural draft and prompt
+    lookup, the one the model scores higher once its steps were timed; before that, the prior
+    ``settings.critical_batch`` (b*: prompt lookup from b* rows on)."""
     if settings.backup != "auto":
         return settings.backup
-    K = settings.draft_len
-    if not (costs.covers("target", batch, K + 1) and costs.covers("draft", batch, settings.tree_tokens)):
-        return "jit" if batch < settings.critical_batch else "ngram"
-    scored = options(settings, batch, costs, measured)
+    K, rows = settings.draft_len, batch if rows is None else rows
+    if not (costs.covers("target", batch, K + 1) and costs.covers("draft", rows, settings.tree_tokens)):
+        return "jit" if rows < settings.critical_batch else "ngram"
+    scored = options(settings, batch, costs, measured, rows)
     return max(("jit", "ngram"), key=lambda backup: scored[f"ssd K={K} {backup}"].estimate)
 
 
@@ -179,8 +200,7 @@ class Slowdown:
     rounds: int = 0
 
     def observe(self, ratio: float) -> None:
-        weight = max(1.0 / (self.rounds + 1), SLOWDOWN_MEMORY)
-        self.ratio += weight * (ratio - self.ratio)
+        self.ratio = settling_average(self.ratio, self.rounds, ratio, SLOWDOWN_MEMORY)
         self.rounds += 1
 
 
@@ -231,18 +251,20 @@ class LoadPolicy:
     EXPLORE_BUDGET = 0.01
     MAX_BACKOFF = 4
 
-    def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield, backlog: int = 0) -> Choice:
-        """``backlog``: tokens the draft must feed before these rows can speculate (what it missed while they ran
-        autoregressive rounds, and the prompts of rows it has never seen)."""
-        bucket = batch_bucket(batch)
-        candidates = options(settings, batch, costs, measured)
+    def choose(self, settings: SSD, batch: int, costs: CostCurves, measured: Yield, backlog: int = 0,
+               rows: int | None = None) -> Choice:
+        """For ``rows`` rows of this family (default: all) among ``batch``. ``backlog``: tokens the draft must feed
+        before these rows can speculate (what it missed while they ran autoregressive rounds, and the prompts of rows
+        it has never seen)."""
+        bucket, rows = batch_bucket(batch), batch if rows is None else rows
+        candidates = options(settings, batch, costs, measured, rows)
         scores = {name: option.estimate / self.slowdown(bucket, name) for name, option in candidates.items()}
         ranked = sorted(scores, key=lambda name: -scores[name])
         count = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         best = ranked[0]
         # a switch costs what switches measured here, and at least the draft's catching up on the backlog (a
         # batched prefill of it: ~the rows' whole histories after a long autoregressive stretch)
-        catch_up_s = costs.cost("draft", batch, math.ceil(backlog / batch)) if backlog else 0.0
+        catch_up_s = costs.cost("draft", rows, math.ceil(backlog / rows)) if backlog else 0.0
         switch_rounds = self.switch_rounds(bucket, candidates[best].seconds * self.slowdown(bucket, best), catch_up_s)
         name = best
         if self.last in scores and self.last != best and \
@@ -298,7 +320,7 @@ class LoadPolicy:
         """A round of ``choice`` took ``seconds``."""
         if choice.option is None:           # (an uncalibrated round: nothing to compare it with)
             return
-        bucket, name = batch_bucket(choice.option.rows), choice.name
+        bucket, name = batch_bucket(choice.option.batch), choice.name
         switched, self.last = self.last is not None and self.last != name, name
         if not switched:
             self.slowdowns.setdefault((bucket, name), Slowdown()).observe(seconds / choice.option.seconds)

@@ -10,10 +10,10 @@ from ssd_trt.engines.feeding import feed_ragged
 PADDING_WASTE = 0.15     # adjacent prompts share a forward while right-padding them to the longest wastes less
 
 
-def prefill(target: Engine, rows: list[SequenceState]) -> list[tuple[SequenceState, list[int]]]:
+def prefill(target: Engine, rows: list[SequenceState], spin: bool) -> list[tuple[SequenceState, list[int]]]:
     """Feed the prompts of the ``rows`` (the target's, in order) not yet prefilled, on their own rows, and commit
     each one's first token, drawn by its own parameters and stream: what each committed. Runs while the draft is idle
-    (``Engine.alone``: on the draft's cores too)."""
+    (``Engine.alone``: on the draft's cores too; ``spin``: the round that follows gives the draft no work)."""
     index = {id(s): i for i, s in enumerate(rows)}
     runs: list[list[SequenceState]] = []
     for seq in (s for s in rows if s.unfed is None and not s.tokens):
@@ -28,7 +28,7 @@ def prefill(target: Engine, rows: list[SequenceState]) -> list[tuple[SequenceSta
     committed = []
     for run in runs:
         first = index[id(run[0])]
-        with target.alone():
+        with target.alone(spin):
             logits = feed_ragged(target.rows(first, first + len(run)), [s.prompt for s in run])
         for r, seq in enumerate(run):
             if seq.features is not None:

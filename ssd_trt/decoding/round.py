@@ -11,7 +11,8 @@ requests that draft.
                 tree's nodes (under its tree mask) for tree rows (ragged, right-padded); each row verifies
                 (``sampling.verify_chain``, ``speculative_tree.accepted_path``) or samples, and commits; a tree
                 row's cache keeps its accepted path (``Engine.keep``). When no SSD group speculates, the draft's
-                core is idle: the target runs on it too (``Engine.alone``)
+                core is idle: the target runs on it too (``Engine.alone``; spinning on it when the draft has no work
+                this round at all)
   3. settle     a draft that reads the target's features (EAGLE-3) is handed those of the verified tokens; SD rows
                 keep the draft's cache in step; SSD groups look up their outcomes and back up on a miss
                 (``saguaro.settle``: the SSD side of a round lives with the rest of the algorithm)
@@ -63,6 +64,11 @@ class RoundPlan:
     def drafts(self) -> bool:
         """The request holds a draft row this round."""
         return self.kind != "ar"
+
+    @property
+    def works_draft(self) -> bool:
+        """The draft has work for the request this round (an SD proposal, or SSD's speculation)."""
+        return self.kind == "sd" or (self.kind == "ssd" and self.settings is not None)
 
     @property
     def group(self) -> tuple:
@@ -141,7 +147,8 @@ def run_round(ctx: RoundContext, rows: list[SequenceState], plans: list[RoundPla
     catching_up = [saguaro.catch_up(ctx.draft, rows[first:stop], first) for first, stop in paused] if draft_busy else []
     proposals = [trees.get(i) or row_proposal(seq, plans[i], chains, i) for i, seq in enumerate(rows)]
     verify_started = time.perf_counter()
-    results, verified, width = verify(ctx.target, rows, proposals, alone=not draft_busy)                 # 2.
+    results, verified, width = verify(ctx.target, rows, proposals, alone=not draft_busy,                 # 2.
+                                      spin=not any(plan.works_draft for plan in plans))
     verify_ended = time.perf_counter()
     caches = [ctx.draft.result(p) for p in pending]
     for job in catching_up:
@@ -251,15 +258,16 @@ def row_proposal(seq: SequenceState, plan: RoundPlan, chains: list[ChainDraft], 
 
 
 # -- 2. verify --------------------------------------------------------------------------------------------------
-def verify(target: Engine, rows: list[SequenceState], proposals: list, alone: bool
+def verify(target: Engine, rows: list[SequenceState], proposals: list, alone: bool, spin: bool
            ) -> tuple[list[RowResult | None], list[list[int] | None], int]:
-    """One target forward over every row (``alone``: the draft is idle meanwhile, so the target may use its cores too).
+    """One target forward over every row (``alone``: the draft is idle meanwhile, so the target may use its cores too;
+    ``spin``: and it has no work this round at all, ``Engine.alone``).
     Per row: its result and the tokens verified (t*_prev and the accepted drafted tokens; a tree: its accepted path),
     None for a row that did not run (finished); and the step's tokens per row. The target computes the features of
     exactly the verified tokens: a request's log keeps them when the build relays them to a feature draft."""
     start = target.lengths
     ids, positions, mask = verify_inputs(rows, proposals, start)
-    with target.alone() if alone else nullcontext():
+    with target.alone(spin) if alone else nullcontext():
         logits = target.forward(ids, positions, mask)
     new_lengths, results, verified_tokens = start.copy(), [], []
     for i, (seq, proposal) in enumerate(zip(rows, proposals)):

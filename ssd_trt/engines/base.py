@@ -60,7 +60,8 @@ class EngineDefaults:
     overriding them, so nothing probes for them.
 
     * :meth:`alone`: steps taken inside it may use the cores of a model that is idle meanwhile (the ONNX Runtime
-      target's second, wider session: ``engines/ort.py``); elsewhere they run as placed.
+      target's wider sessions: ``engines/ort.py``); ``spin``: the other model stays idle after them too (no job of
+      its follows soon), so the step's threads may keep spinning between steps. Elsewhere they run as placed.
 
     The feature-pair (EAGLE-3) members:
 
@@ -80,7 +81,7 @@ class EngineDefaults:
     def receive_target_features(self, row: int, first: int, features: np.ndarray) -> None:
         raise TypeError(f"{type(self).__name__} is no feature draft: it takes no target features")
 
-    def alone(self) -> ContextManager[None]:
+    def alone(self, spin: bool = False) -> ContextManager[None]:
         return nullcontext()
 
 

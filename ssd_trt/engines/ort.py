@@ -29,12 +29,16 @@ class OrtEngine(EngineDefaults):
                  alone_threads: int = 1, alone_cores: Sequence[int] | None = None) -> None:
         """``spin=False`` stops idle intra-op threads from spin-waiting: needed when another session
         shares these cores (measured: SD with two 2-thread sessions on 2 cores, 27.7 -> 40.7 tok/s).
-        ``alone_threads`` > ``threads``: a second session of the same graph, with that many threads on
-        ``alone_cores``, runs the steps taken inside :meth:`alone` (while the other model is idle) on the same KV
-        buffers. Its logits are bit-identical (ONNX Runtime's CPU kernels split work across threads by rows and
+        ``alone_threads`` > ``threads``: two more sessions of the same graph, with that many threads on
+        ``alone_cores``, run the steps taken inside :meth:`alone` (while the other model is idle) on the same KV
+        buffers. Their logits are bit-identical (ONNX Runtime's CPU kernels split work across threads by rows and
         heads, never inside a dot product; tests/test_embedded_pair.py), and on two cores a one-token step of the
         embedded target costs 0.85x (batch 1) to 0.66x (batch 16) what it costs on one, a prefill 0.53-0.58x
-        (research/cpu/measure_alone.py, docs/bench/target_alone.json). Its weights are held twice.
+        (research/cpu/measure_alone.py, docs/bench/target_alone.json). One of the two stops its threads spinning
+        the moment a step is over (the other model's job follows, on a core they share: an SD round); the other
+        lets them spin between steps, for stretches the other model sits out (AR rounds, paused SSD: a one-token
+        step 5-10% faster than with the threads put to sleep after every step). The weights are held three
+        times (the embedded target: +290 MB resident).
         ``int8_activations``: block-quantized weights' fused MatMuls (MatMulNBits) quantize activations to
         int8 (accuracy level 4) instead of keeping them fp32 (level 1); no effect on a float graph.
 
@@ -54,14 +58,16 @@ class OrtEngine(EngineDefaults):
         self.cores = tuple(cores) if cores else None
         options = _session_options(ort, threads, self.cores, spin, int8_activations)
         self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-        self.alone_session = None
+        self.alone_sessions: dict[bool, object] = {}       # spinning? -> the wider session
         if alone_threads > threads:
-            wide = _session_options(ort, alone_threads, tuple(alone_cores) if alone_cores else None, spin,
-                                    int8_activations)
-            # its threads share the other model's cores: they stop spinning the moment a step is over
-            wide.add_session_config_entry("session.force_spinning_stop", "1")
-            self.alone_session = ort.InferenceSession(str(onnx_path), wide, providers=["CPUExecutionProvider"])
-        self._running_alone = False
+            for spinning in (False, True):
+                wide = _session_options(ort, alone_threads, tuple(alone_cores) if alone_cores else None, spin,
+                                        int8_activations)
+                if not spinning:
+                    wide.add_session_config_entry("session.force_spinning_stop", "1")
+                self.alone_sessions[spinning] = ort.InferenceSession(str(onnx_path), wide,
+                                                                     providers=["CPUExecutionProvider"])
+        self._alone: bool | None = None                # inside alone(): whether its threads may spin
         self.attends_twice = GRAPH_META_ONE_TOKEN_TWICE in self.session.get_modelmeta().custom_metadata_map
         self.pad_single_rows = int8_activations and not self.attends_twice
         scratch_slot = self.attends_twice or self.pad_single_rows
@@ -82,24 +88,25 @@ class OrtEngine(EngineDefaults):
 
     def warm_up(self) -> None:
         """One tiny step per session so the first request does not pay ORT's first-run allocations (TTFT)."""
-        for alone in (False, True) if self.alone_session is not None else (False,):
+        for alone in (None, *self.alone_sessions):
             self.reset(1)
-            with self.alone() if alone else nullcontext():
+            with self.alone(alone) if alone is not None else nullcontext():
                 self.forward(np.zeros((1, 2), dtype=np.int64), np.arange(2)[None], extra=self._zero_extra(1, 2))
         self.cache = None
 
     @contextmanager
-    def alone(self) -> Iterator[None]:
-        """Steps inside run on the wider session, when there is one (the caller vouches the other model is idle)."""
-        previous, self._running_alone = self._running_alone, self.alone_session is not None
+    def alone(self, spin: bool = False) -> Iterator[None]:
+        """Steps inside run on a wider session, when there is one (the caller vouches the other model is idle; with
+        ``spin``, that it stays idle after them: the threads may spin on)."""
+        previous, self._alone = self._alone, spin if self.alone_sessions else None
         try:
             yield
         finally:
-            self._running_alone = previous
+            self._alone = previous
 
     def _active_session(self):
-        """The session a step runs on now: the wider one inside :meth:`alone`."""
-        return self.alone_session if self._running_alone else self.session
+        """The session a step runs on now: a wider one inside :meth:`alone`."""
+        return self.session if self._alone is None else self.alone_sessions[self._alone]
 
     def _zero_extra(self, batch: int, tokens: int) -> dict[str, np.ndarray] | None:
         """Placeholder extra inputs of a feature draft's graph (every token carrying zero target features)."""
@@ -130,7 +137,7 @@ class OrtEngine(EngineDefaults):
         """The IO binding of rows ``start .. stop-1``: each past buffer's slice bound as its present too
         (written in place), made once per cache allocation, row range and session, so that a step rebinds only its small
         inputs and its logits (no per-step work that scales with layers)."""
-        key = (start, stop, self._running_alone)
+        key = (start, stop, self._alone)
         if key not in self._bindings:
             ortvalue = self._ort.OrtValue.ortvalue_from_numpy
             values = [ortvalue(buffer[start:stop]) for buffer in self.cache.buffers]   # leading axis: contiguous
@@ -258,8 +265,8 @@ class OrtRows(EngineDefaults):
     def last_hidden(self) -> np.ndarray | None:
         return self.parent.last_hidden
 
-    def alone(self) -> ContextManager[None]:
-        return self.parent.alone()
+    def alone(self, spin: bool = False) -> ContextManager[None]:
+        return self.parent.alone(spin)
 
     def rollback(self, lengths: np.ndarray) -> None:
         cache = self.parent.cache

@@ -75,8 +75,8 @@ class PaddedRows(EngineDefaults):
         self.parent.rollback(after)
         return logits[self.start:self.stop]
 
-    def alone(self) -> ContextManager[None]:
-        return self.parent.alone()
+    def alone(self, spin: bool = False) -> ContextManager[None]:
+        return self.parent.alone(spin)
 
     # a feature pair's members: this view's rows of the parent's last step
     @property

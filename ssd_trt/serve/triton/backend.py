@@ -234,7 +234,7 @@ class ModelServer:
         self._outbox: queue.Queue = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name="ssd-trt-send", daemon=True)
         self._sender.start()
-        self.loop = StepLoop(self.llm, self._deliver, self.fail_all, generator.options.target_cores)
+        self.loop = StepLoop(self.llm, self._deliver, self.fail_all, generator.options.step_cores)
 
     @classmethod
     def from_config(cls, model_config: dict, pb_utils) -> "ModelServer":
