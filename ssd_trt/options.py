@@ -34,8 +34,8 @@ class RuntimeOptions:
     draft_copy: bool = True                 # use the draft's copy component when its config has one
     # threads of the target's steps taken while the draft is idle (prefills, AR rounds, SD's verification,
     # SSD rounds whose speculation the load policy paused), on the target's and the draft's cores. None: one
-    # per core of the two; at most target_threads: never more than placed. ONNX Runtime opens a second session
-    # of the target for them (its weights held twice; same logits, bit for bit: tests/test_embedded_pair.py).
+    # per core of the two; at most target_threads: never more than placed. ONNX Runtime opens two more sessions
+    # of the target for them (its weights held three times; same logits, bit for bit: tests/test_embedded_pair.py).
     target_alone_threads: int | None = None
 
     def __post_init__(self) -> None:

@@ -38,7 +38,7 @@ class OrtEngine(EngineDefaults):
         the moment a step is over (the other model's job follows, on a core they share: an SD round); the other
         lets them spin between steps, for stretches the other model sits out (AR rounds, paused SSD: a one-token
         step 5-10% faster than with the threads put to sleep after every step). The weights are held three
-        times (the embedded target: +290 MB resident).
+        times (the embedded target: +147 MB resident for the third).
         ``int8_activations``: block-quantized weights' fused MatMuls (MatMulNBits) quantize activations to
         int8 (accuracy level 4) instead of keeping them fp32 (level 1); no effect on a float graph.
 
