@@ -176,21 +176,28 @@ def infer_grpc_stream(url: str, tensors: list[tuple[str, str, Any]], model: str 
         return stream.infer(tensors, on_chunk, timeout, cancel_after)
 
 
-def bench(url: str, specs: list[dict[str, Any]], concurrency: int, repeat: int = 1) -> dict[str, Any]:
-    """``concurrency`` clients, each sending ``repeat`` gRPC streaming requests one after another (a closed loop),
-    the requests cycling through ``specs`` (dicts of :func:`request_tensors`' arguments: prompt, max_tokens,
-    mode, temperature, ...); throughput, latency and time-to-first-token percentiles."""
+def bench(url: str, specs: list[dict[str, Any]], concurrency: int, repeat: int = 1, protocol: str = "grpc"
+          ) -> dict[str, Any]:
+    """``concurrency`` clients, each sending ``repeat`` requests one after another (a closed loop), the requests
+    cycling through ``specs`` (dicts of :func:`request_tensors`' arguments: prompt, max_tokens, mode, temperature,
+    ...): gRPC streaming to the decoupled model (``url``: its gRPC address), or plain HTTP to the non-streaming one
+    (``url``: the HTTP address); throughput, latency and time-to-first-token percentiles."""
     total = concurrency * repeat
     results: list[Result | None] = [None] * total
     barrier = threading.Barrier(concurrency)
 
     def client(worker: int) -> None:
+        def send(index: int, infer: Callable[[list], Result]) -> None:
+            results[index] = infer(request_tensors(**{**specs[index % len(specs)], "stream": protocol == "grpc"}))
+        if protocol == "http":
+            barrier.wait()
+            for r in range(repeat):
+                send(worker * repeat + r, lambda tensors: infer_http(url, tensors))
+            return
         with GrpcStream(url) as stream:                 # each client keeps its connection, as serving clients do
             barrier.wait()
             for r in range(repeat):
-                index = worker * repeat + r
-                spec = specs[index % len(specs)]
-                results[index] = stream.infer(request_tensors(**{**spec, "stream": True}))
+                send(worker * repeat + r, stream.infer)
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client, args=(w,)) for w in range(concurrency)]
@@ -248,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     raw.add_argument("tensors", nargs="+")
     raw.add_argument("--protocol", choices=["http", "grpc"], default="http")
     raw.add_argument("--model")
-    b = sub.add_parser("bench", help="concurrent gRPC streaming requests (closed loop); prints a JSON summary")
+    b = sub.add_parser("bench", help="concurrent requests (closed loop; gRPC streaming or plain HTTP); prints a JSON "
+                                     "summary")
     b.add_argument("--prompt", action="append")
     b.add_argument("--concurrency", type=int, default=32)
     b.add_argument("--repeat", type=int, default=1, help="requests each concurrent client sends, one after another")
@@ -257,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--specs", help="JSON list of requests to cycle through instead of --prompt/--mode/--max-tokens "
                                    "(each: prompt, max_tokens, and optionally mode, temperature, top_p, top_k, seed, "
                                    "draft_len, fan_out_budget, backup, tree_widths, chat)")
+    b.add_argument("--protocol", choices=["http", "grpc"], default="grpc",
+                   help="grpc: streaming, to the decoupled model; http: plain requests to the non-streaming one")
     b.add_argument("--full", action="store_true", help="include every request's result in the JSON")
     for p in (gen, raw, b):
         p.add_argument("--http-url", default="127.0.0.1:8000")
@@ -270,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         specs = json.loads(args.specs) if args.specs else \
             [{"prompt": p, "max_tokens": args.max_tokens, "mode": args.mode}
              for p in args.prompt or ["The capital of France is"]]
-        summary = bench(args.grpc_url, specs, args.concurrency, args.repeat)
+        summary = bench(args.http_url if args.protocol == "http" else args.grpc_url, specs, args.concurrency,
+                        args.repeat, args.protocol)
         if not args.full:
             summary.pop("results")
         print(json.dumps(summary))

@@ -7,8 +7,10 @@ example client (``client.py bench``, run in the serving venv):
   one after another) over the report prompt set, each request generating ``--max-tokens`` tokens (EOS
   ignored, so that every mode and load does the same work): throughput, p50 / p99 latency and time to
   first token;
-* the mixed workload: 8 requests -- greedy and sampled, ar and ssd, different lengths -- sent all at once,
-  then the same 8 one at a time: aggregate throughput of each and their ratio.
+* the mixed workload, over plain HTTP: 8 requests of ``--max-tokens`` tokens (EOS ignored) alternating ssd / ar and,
+  by pairs, greedy / seeded T=0.7 top-p 0.95, sent all at once and then one at a time (aggregate throughput of each,
+  their ratio, and whether the greedy and the seeded AR requests gave the same tokens both ways), and the same 8
+  requests all in ar and all in ssd, sent at once.
 
 The whole sweep and the mixed workload run ``--passes`` times (default 2); each point pools its passes
 (throughput: all tokens over all wall time).
@@ -26,19 +28,33 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ssd_trt.bench.artifact import write_artifact
 from ssd_trt.bench.prompts import DEFAULT_PROMPTS, load_prompts
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
 MODES = ("ar", "sd", "ssd")
 
 
-def mixed_specs(prompts: list[str]) -> list[dict[str, Any]]:
-    """8 requests: greedy and sampled, ar and ssd, 16 to 64 new tokens."""
-    shapes = [("ar", 0.0, 16), ("ssd", 0.0, 48), ("ar", 0.8, 32), ("ssd", 0.7, 24),
-              ("ssd", 0.0, 64), ("ar", 0.0, 40), ("ssd", 1.0, 16), ("ar", 0.7, 56)]
-    return [{"prompt": prompts[i % len(prompts)], "max_tokens": n, "mode": mode, "temperature": t,
-             "top_p": 0.95 if t else 1.0, "seed": 100 + i if t else None, "ignore_eos": True}
-            for i, (mode, t, n) in enumerate(shapes)]
+MIXED_KINDS = ("mixed", "ar", "ssd")
+
+
+def mixed_specs(prompts: list[str], max_tokens: int, kind: str = "mixed") -> list[dict[str, Any]]:
+    """8 requests of ``max_tokens`` tokens (EOS ignored): request i in ssd when i is even, ar when odd (``kind`` mixed;
+    ar / ssd: all of them in that mode), greedy for i = 0, 1, 4, 5, seeded T=0.7 top-p 0.95 for i = 2, 3, 6, 7."""
+    specs = []
+    for i in range(8):
+        mode = ("ssd" if i % 2 == 0 else "ar") if kind == "mixed" else kind
+        t = 0.7 if (i // 2) % 2 else 0.0
+        specs.append({"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "mode": mode, "temperature": t,
+                      "top_p": 0.95 if t else 1.0, "seed": 100 + i if t else None, "ignore_eos": True})
+    return specs
+
+
+def unchanged(together: dict[str, Any], alone: dict[str, Any], specs: list[dict[str, Any]]) -> bool:
+    """Whether every greedy request and every seeded AR request gave the same tokens sent at once as one at a time
+    (a seeded SSD request may not: how adaptive SSD runs depends on the load, and so do its draws)."""
+    return all(a["token_ids"] == b["token_ids"] for a, b, spec in zip(together["results"], alone["results"], specs)
+               if spec["temperature"] == 0.0 or spec["mode"] == "ar")
 
 
 def run_client(server, *args: str) -> dict[str, Any]:
@@ -46,7 +62,8 @@ def run_client(server, *args: str) -> dict[str, Any]:
     source_root = str(Path(__file__).resolve().parents[3])
     path = os.pathsep.join(filter(None, (source_root, os.environ.get("PYTHONPATH"))))
     proc = subprocess.run([str(server.env.python), "-m", "ssd_trt.serve.triton.client", "bench",
-                           "--grpc-url", server.grpc_url, *args], capture_output=True, text=True,
+                           "--grpc-url", server.grpc_url, "--http-url", server.http_url, *args], capture_output=True,
+                          text=True,
                           env={**os.environ, "PYTHONPATH": path}, timeout=1800)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
@@ -61,9 +78,13 @@ def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int
     # over minutes, so the modes are compared side by side and every point sees the drift of the whole run
     points = [(mode, c) for c in concurrencies for mode in MODES]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {point: [] for point in points}
-    mixed: dict[str, list[dict[str, Any]]] = {"concurrent": [], "one_at_a_time": []}
-    specs_mixed = json.dumps(mixed_specs(prompts))
-    with tqdm(total=passes * (len(points) + 2), desc="load bench", unit="point") as progress:
+    mixed: dict[str, list[dict[str, Any]]] = {"concurrent": [], "one_at_a_time": [], "all_ar": [], "all_ssd": []}
+    specs_mixed = {kind: mixed_specs(prompts, max_tokens, kind) for kind in MIXED_KINDS}
+    same: list[bool] = []
+
+    def mixed_run(kind: str, *how: str) -> dict[str, Any]:
+        return run_client(server, "--protocol", "http", "--full", "--specs", json.dumps(specs_mixed[kind]), *how)
+    with tqdm(total=passes * (len(points) + 4), desc="load bench", unit="point") as progress:
         for _ in range(passes):
             for mode, concurrency in points:
                 specs = [{"prompt": p, "max_tokens": max_tokens, "mode": mode, "ignore_eos": True} for p in prompts]
@@ -71,14 +92,20 @@ def measure(server, prompts: list[str], max_tokens: int, requests_per_point: int
                 runs[(mode, concurrency)].append(run_client(server, "--specs", json.dumps(specs), "--concurrency",
                                                             str(concurrency), "--repeat", str(repeat)))
                 progress.update()
-            mixed["concurrent"].append(run_client(server, "--specs", specs_mixed, "--concurrency", "8"))
-            mixed["one_at_a_time"].append(run_client(server, "--specs", specs_mixed, "--concurrency", "1",
-                                                     "--repeat", "8"))
-            progress.update(2)
-    together, alone = pooled(mixed["concurrent"]), pooled(mixed["one_at_a_time"])
+            mixed["concurrent"].append(mixed_run("mixed", "--concurrency", "8"))
+            mixed["one_at_a_time"].append(mixed_run("mixed", "--concurrency", "1", "--repeat", "8"))
+            same.append(unchanged(mixed["concurrent"][-1], mixed["one_at_a_time"][-1], specs_mixed["mixed"]))
+            mixed["all_ar"].append(mixed_run("ar", "--concurrency", "8"))
+            mixed["all_ssd"].append(mixed_run("ssd", "--concurrency", "8"))
+            progress.update(4)
+    for run in (r for kind in mixed.values() for r in kind):
+        run.pop("results")                     # (the tokens were compared above; the artifact keeps the summaries)
+    pooled_mixed = {kind: pooled(runs_of_kind) for kind, runs_of_kind in mixed.items()}
+    rate = {kind: point["throughput_tok_s"] for kind, point in pooled_mixed.items()}
     return {"passes": passes, "sweep": [pooled(runs[point]) for point in points],
-            "mixed": {"concurrent": together, "one_at_a_time": alone,
-                      "throughput_ratio": together["throughput_tok_s"] / alone["throughput_tok_s"]}}
+            "mixed": {**pooled_mixed, "throughput_ratio": rate["concurrent"] / rate["one_at_a_time"],
+                      "vs_better_variant": rate["concurrent"] / max(rate["all_ar"], rate["all_ssd"]),
+                      "outputs_unchanged": same}}
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -106,11 +133,14 @@ def table(result: dict[str, Any]) -> str:
                     f"{s['ttft_p50_s']:.3f} | {s['ttft_p99_s']:.3f} | {len(s['errors'])} |")
     mixed = result["mixed"]
     rows.append("")
-    rows.append(f"Mixed (8 requests: greedy and sampled, ar and ssd, 16-64 tokens): "
-                f"{mixed['concurrent']['throughput_tok_s']:.1f} tok/s all at once vs "
+    errors = sum(len(mixed[kind]["errors"]) for kind in ("concurrent", "one_at_a_time", "all_ar", "all_ssd"))
+    rows.append(f"Mixed (8 requests x {mixed['concurrent']['max_tokens']} tokens over plain HTTP, alternating ssd / ar "
+                f"and greedy / seeded T=0.7): {mixed['concurrent']['throughput_tok_s']:.1f} tok/s all at once vs "
                 f"{mixed['one_at_a_time']['throughput_tok_s']:.1f} tok/s one at a time = "
-                f"**{mixed['throughput_ratio']:.2f}x**, errors {len(mixed['concurrent']['errors'])} + "
-                f"{len(mixed['one_at_a_time']['errors'])}.")
+                f"**{mixed['throughput_ratio']:.2f}x**; the same 8 all-ar at once "
+                f"{mixed['all_ar']['throughput_tok_s']:.1f}, all-ssd {mixed['all_ssd']['throughput_tok_s']:.1f} tok/s "
+                f"(mixed / the better: {mixed['vs_better_variant']:.2f}); greedy and seeded-AR outputs unchanged in "
+                f"{sum(mixed['outputs_unchanged'])} of {len(mixed['outputs_unchanged'])} passes; errors {errors}.")
     return "\n".join(rows)
 
 
@@ -174,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     result.update({"build": str(args.build_dir), "max_tokens": args.max_tokens, "prompts": prompts,
                    "command": "python -m ssd_trt.serve.triton load-bench " + " ".join(argv or sys.argv[1:])})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    png = plot(result, args.out.with_suffix(".png"))
-    print(table(result))
-    print(f"wrote {args.out}" + (f" and {png}" if png else ""), file=sys.stderr)
+    write_artifact(result, args.out, plot, table)
     return 0
 
 
