@@ -136,3 +136,25 @@ def test_without_matplotlib_the_bench_measures_and_says_the_plots_need_the_extra
     assert set(report["presets"]["greedy"]["settings"]["paper-style"]["summary"]) == {"ar", "sd", "ssd"}
     assert not list((tmp_path / "out").glob("*.png"))
     assert "and plots" not in result.stdout
+
+
+def test_interleaved_runs_alternate_the_modes_and_report_each_runs_ratio_to_ar(tiny_pairs, tmp_path):
+    measured = prompts_file(tmp_path / "measured.jsonl", ["w1 w2 w3", "w4 w5 w6"])
+    tuning = prompts_file(tmp_path / "tuning.jsonl", ["w7 w8 w9"])
+    out = tmp_path / "interleaved.json"
+    result = subprocess.run([sys.executable, "-m", "ssd_trt.bench.interleaved", str(tiny_pairs["perturbed"]),
+                             "--prompts", str(measured), "--tuning-prompts", str(tuning), "--modes", "ar,sd,ssd",
+                             "--sampling", "greedy,t1-k50", "--runs", "3", "--max-new-tokens", "6", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2 and set(report["presets"]) == {"greedy", "t1-k50"}
+    for preset in report["presets"].values():
+        runs = preset["runs"]
+        assert [r["order"] for r in runs] == [["ar", "sd", "ssd"], ["ssd", "sd", "ar"], ["ar", "sd", "ssd"]]
+        for run in runs:
+            assert run["vs_ar"] == {m: pytest.approx(run["tokens_per_s"][m] / run["tokens_per_s"]["ar"])
+                                    for m in ("sd", "ssd")}
+        assert preset["median_vs_ar"]["ssd"] == pytest.approx(sorted(r["vs_ar"]["ssd"] for r in runs)[1])
+    assert out.with_suffix(".png").is_file()
+    assert "| greedy |" in result.stdout

@@ -210,6 +210,18 @@ def test_32_concurrent_streams_match_one_at_a_time(server, references, tmp_path_
 
 
 @pytest.mark.slow
+def test_the_bench_client_over_plain_http_shares_rounds_exactly(server, references):
+    """The load bench's mixed workload goes over plain HTTP to the non-streaming model: concurrent clients there share
+    rounds too, and greedy / seeded AR requests give what they give alone."""
+    specs = [spec for spec in MIXED if spec["temperature"] == 0 or spec["mode"] == "ar"][:4]
+    [summary] = client(server, "bench", "--protocol", "http", "--specs", json.dumps(specs), "--concurrency",
+                       str(len(specs)), "--full")
+    assert summary["errors"] == [] and summary["requests"] == len(specs)
+    for spec, r in zip(specs, summary["results"]):
+        assert (r["token_ids"], r["text"]) == references[("mixed", spec["prompt"], spec["max_tokens"])], spec
+
+
+@pytest.mark.slow
 def test_mixed_requests_share_rounds_exactly_and_the_engine_metrics_are_exported(server, references):
     """9 requests of different modes, temperatures and lengths, sent at once, run in shared rounds (continuous
     batching): greedy and seeded sampled AR requests give what they give alone; the engine's gauges report."""

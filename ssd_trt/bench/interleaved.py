@@ -33,6 +33,9 @@ from ssd_trt.errors import SsdTrtError
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ssd_trt.bench.interleaved", description=__doc__.splitlines()[0])
     p.add_argument("build_dir", type=Path)
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field")
+    p.add_argument("--tuning-prompts", type=Path, default=TUNING_PROMPTS,
+                   help="JSONL whose first prompt warms each mode up, untimed (disjoint from --prompts)")
     p.add_argument("--modes", default="ar,ssd", help=f"comma list of mode names ({', '.join(MODES)}); ar first")
     p.add_argument("--sampling", default=",".join(PRESETS), help=f"comma list of presets: {', '.join(PRESETS)}")
     p.add_argument("--setting", default="equal", choices=sorted(SETTINGS))
@@ -62,8 +65,8 @@ def measure(args) -> dict:
     from tqdm import tqdm
     builds = LoadedBuilds()
     setting = SETTINGS[args.setting]
-    prompts = first_per_category(load_prompts(DEFAULT_PROMPTS), args.limit_per_category)
-    warmup = load_prompts(TUNING_PROMPTS)[:1]
+    prompts = first_per_category(load_prompts(args.prompts), args.limit_per_category)
+    warmup = load_prompts(args.tuning_prompts)[:1]
     probe = builds.get(args.build_dir, setting, "ar")
     encoded = [probe.encode(p.prompt, chat=args.chat) for p in prompts]
     warm_ids = [probe.encode(p.prompt, chat=args.chat) for p in warmup]
