@@ -72,6 +72,22 @@ def test_bad_runtime_option_is_refused(case):
     with pytest.raises(ConfigError) as error:
         RuntimeOptions(**kwargs)
     assert message in str(error.value)
+    assert not isinstance(error.value, RequestError)
+
+
+def test_runtime_options_leave_the_threads_to_the_build_once(tiny_pairs):
+    """Threads left unset are the recipe's engine.threads_per_engine, filled in once when the build loads (the CLI
+    passes RuntimeOptions(backend=...) and so honours the recipe); threads set are kept."""
+    from ssd_trt.manifest import read_manifest
+    assert (RuntimeOptions(backend="ort").for_build(3).target_threads, RuntimeOptions().for_build(3).draft_threads) \
+        == (3, 3)
+    assert RuntimeOptions(target_threads=1).for_build(3).target_threads == 1
+    with pytest.raises(ConfigError, match="leave the threads to the build"):
+        RuntimeOptions().placement("target")
+    build = tiny_pairs["perturbed"]
+    threads = read_manifest(build).recipe.engine.threads_per_engine
+    loaded = ssd_trt.load(build, RuntimeOptions(backend="ort")).options
+    assert (loaded.target_threads, loaded.draft_threads, loaded.backend) == (threads, threads, "ort")
 
 
 BAD_SETTINGS = {
