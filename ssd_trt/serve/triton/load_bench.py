@@ -118,8 +118,11 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                throughput_tok_s=tokens / wall, errors=[e for r in runs for e in r["errors"]],
                latency_p50_s=sum(r["latency_p50_s"] for r in runs) / len(runs),
                latency_p99_s=max(r["latency_p99_s"] for r in runs),
-               ttft_p50_s=sum(r["ttft_p50_s"] for r in runs) / len(runs), ttft_p99_s=max(r["ttft_p99_s"] for r in runs),
                passes=runs)
+    ttfts = [(r["ttft_p50_s"], r["ttft_p99_s"]) for r in runs]
+    known = None not in (t for pair in ttfts for t in pair)      # (plain HTTP answers once: no first token to time)
+    out.update(ttft_p50_s=sum(p50 for p50, _ in ttfts) / len(runs) if known else None,
+               ttft_p99_s=max(p99 for _, p99 in ttfts) if known else None)
     return out
 
 
