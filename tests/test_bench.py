@@ -158,3 +158,26 @@ def test_interleaved_runs_alternate_the_modes_and_report_each_runs_ratio_to_ar(t
         assert preset["median_vs_ar"]["ssd"] == pytest.approx(sorted(r["vs_ar"]["ssd"] for r in runs)[1])
     assert out.with_suffix(".png").is_file()
     assert "| greedy |" in result.stdout
+
+
+def test_a_round_whose_speculating_rows_had_finished_leaves_no_timeline_entry():
+    """``python -m ssd_trt.bench`` died in the speed model (IndexError on an empty ``source``) when an SSD round ran
+    with its only speculating row already finished: such a round has nothing to plot."""
+    from types import SimpleNamespace
+
+    from ssd_trt.batching.metrics import EngineMetrics
+    from ssd_trt.bench.speed_model import predicted_speedup
+    from ssd_trt.decoding.round import RoundReport, RowResult
+
+    speculation = SimpleNamespace(started=0.1, finished=0.4)
+    metrics = EngineMetrics()
+    finished = RoundReport(rows=[None], started=0.0, verify=(0.1, 0.5), collected=0.5, settled=0.5, width=2,
+                           alone=False, speculations=[speculation], ssd_rows=[0])
+    metrics.record([SimpleNamespace()], finished, origin=0.0)
+    assert metrics.timeline == []
+    live = RoundReport(rows=[RowResult([5, 6], "primary", 1, 1)], started=1.0, verify=(1.1, 1.5), collected=1.5,
+                       settled=1.5, width=2, alone=False, speculations=[speculation], ssd_rows=[0])
+    metrics.record([SimpleNamespace(stats=SimpleNamespace(record_round=lambda accepted: None))], live, origin=0.0)
+    assert [entry["source"] for entry in metrics.timeline] == [["primary"]]
+    model = predicted_speedup([SimpleNamespace(stats={"timeline": metrics.timeline})], ar_tokens_per_s=50.0)
+    assert model["p_hit"] == 1.0 and model["E_hit"] == 2.0

@@ -161,6 +161,7 @@ class LLMEngine:
             if result is not None:
                 outputs.emit(seq, result.committed)
         self.metrics.record(rows, report, self.created)
+        self.metrics.record_choices([plan.rounds[id(s)] for s in rows])
         self.planner.observe(rows, report, plan)
         self.metrics.last_choice = self.planner.last_choice
 

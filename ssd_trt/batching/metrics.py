@@ -2,9 +2,10 @@
 round it ran (:class:`EngineMetrics`: what Triton's metrics and ``generate``'s statistics read)."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
-from ssd_trt.decoding.round import RoundReport
+from ssd_trt.decoding.round import RoundPlan, RoundReport
 from ssd_trt.decoding.sequence import SequenceState
 
 TIMELINE_ROUNDS = 200      # SSD rounds whose timeline is kept (bench/plots.py draws the first ones)
@@ -52,6 +53,9 @@ class EngineMetrics:
     running: int = 0                     # requests admitted and not finished
     waiting: int = 0
     aborted: int = 0                     # requests stopped by abort()
+    accepted_per_pos: Counter = field(default_factory=Counter)   # position i: drafts whose i-th token was accepted
+    backup_rounds: Counter = field(default_factory=Counter)      # SSD cache misses, by what proposed instead
+    adaptive_rounds: Counter = field(default_factory=Counter)    # adaptive SSD row-rounds by the kind the policy chose
     last_choice: dict = field(default_factory=dict)
     verify_s: float = 0.0                # the target's forwards
     draft_s: float = 0.0                 # the draft's work: drafting in turn, and speculation beside the verification
@@ -82,19 +86,30 @@ class EngineMetrics:
             self.speculative_rounds += 1
             self.drafted += result.drafted
             self.accepted += result.accepted
+            for position in range(result.accepted):     # accepted tokens are a prefix of the draft
+                self.accepted_per_pos[position] += 1
             if result.lookup is not None:
                 seq.stats.record_lookup(result.accepted, result.lookup.hit)
                 self.lookups += 1
                 self.hits += result.lookup.hit
                 if result.lookup.backup is not None:
                     seq.stats.backup_rounds[result.lookup.backup] += 1
+                    self.backup_rounds[result.lookup.backup] += 1
         verify_started, verified = report.verify
         self.verify_s += verified - verify_started
         self.wait_s += max(0.0, report.collected - verified)
         # the draft's time: what the round waited for before verifying, and its speculation beside the verification
         self.draft_s += verify_started - report.started + sum(c.finished - c.started for c in report.speculations)
-        if report.speculations and report.ssd_rows and len(self.timeline) < TIMELINE_ROUNDS:
+        # a round whose speculating rows had all finished before it (None results) has nothing to plot
+        speculated = any(report.rows[i] is not None for i in report.ssd_rows)
+        if report.speculations and speculated and len(self.timeline) < TIMELINE_ROUNDS:
             self.timeline.append(timeline_entry(len(self.timeline), report, origin))
+
+    def record_choices(self, plans: list[RoundPlan]) -> None:
+        """What the load policy chose for each adaptive SSD row this round: ar (speculation paused), sd or ssd."""
+        for plan in plans:
+            if plan.family is not None:
+                self.adaptive_rounds["ar" if plan.settings is None else plan.kind] += 1
 
 
 def timeline_entry(index: int, report: RoundReport, origin: float) -> dict:
