@@ -178,12 +178,13 @@ def _build(recipe: Recipe, recipe_path: Path, force: bool, root: Path | None, ba
     sources = {role: resolve_source(getattr(recipe, role).source, bases) for role in ROLES}
     if recipe.engine.backend == "torch":
         return build_for_torch(recipe, recipe_path, sources, out, force, bases, bar)
-    from ssd_trt.export.streamed_build import export_streamed_role, plan_exports
+    from ssd_trt.export.streamed_build import export_streamed_role, export_tensor_parallel_role, plan_exports
     streamed, host_memory = plan_exports(recipe, sources, host_bytes)
     prepare_output_dir(out, recipe, force)
     started = time.time()
     models, hf_configs, tokenizers, parity, validation, artifacts = {}, {}, {}, {}, {}, []
     quantization: dict[str, dict] = {}
+    tensor_parallel = None                # the target's split over ranks (engine.tensor_parallel > 1)
     native_twins: dict[str, Any] = {}     # the rtx flavour's fp32 twin per role, for validation
     ort_graph: dict[str, str] = {}        # per role: "fused", or why the ort flavour is the traced graph
 
@@ -210,11 +211,13 @@ def _build(recipe: Recipe, recipe_path: Path, force: bool, root: Path | None, ba
     artifacts += tokenizer_artifacts
     bar.update()
     for role in streamed:   # parity, export and validation, bounded, in one pass per model
-        done = export_streamed_role(recipe, role, streamed[role], out, step, TWIN_CAPACITY)
+        split = role == "target" and recipe.engine.tensor_parallel > 1
+        export = export_tensor_parallel_role if split else export_streamed_role
+        done = export(recipe, role, streamed[role], out, step, TWIN_CAPACITY)
         parity[role], quantization[role] = done["parity"], done["quantization"]
         validation.update(done["validation"])
-        artifacts += [{"role": role, "flavour": flavour, **artifact_entry(out, path)}
-                      for flavour, path in done["paths"].items()]
+        tensor_parallel = done.get("tensor_parallel", tensor_parallel)
+        artifacts += [{"role": role, "flavour": flavour, **artifact_entry(out, path)} for flavour, path in done["files"]]
         bar.update(3)
     in_memory = [role for role in ROLES if role not in streamed]
     for role in in_memory:
@@ -278,7 +281,7 @@ def _build(recipe: Recipe, recipe_path: Path, force: bool, root: Path | None, ba
                 for role in ROLES},
         tokenizer=tokenizer_entry, artifacts=artifacts, validation=validation, tensorrt=tensorrt, tools=tool_versions(),
         build_seconds=round(time.time() - started, 1),
-        host_memory={**host_memory, "peak_rss_bytes": peak_rss_bytes()})
+        host_memory={**host_memory, "peak_rss_bytes": peak_rss_bytes()}, tensor_parallel=tensor_parallel)
     write_manifest(out, manifest)
     (out / BUILDING_MARKER).unlink(missing_ok=True)
     return out
@@ -302,6 +305,9 @@ def build_for_torch(recipe: Recipe, recipe_path: Path, sources: dict, out: Path,
         raise RecipeError(f"engine.backend: torch builds from HF safetensors checkpoints of independent models, but "
                           f"{', '.join(bad)}; use engine.backend: auto for this pair")
     checkpoints = {role: Checkpoint.open(sources[role].path) for role in ROLES}
+    if recipe.engine.tensor_parallel > 1:   # the runtime splits the target as it loads it: the split must exist
+        from ssd_trt.models.rank_decoder import split_for
+        split_for(checkpoints["target"].config, recipe.engine.tensor_parallel, f"the target {sources['target'].path}")
     prepare_output_dir(out, recipe, force)
     started = time.time()
     tokenizers, models = {}, {}
@@ -391,7 +397,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ssd_trt.build", description=__doc__.splitlines()[0])
+    from ssd_trt.sizing.cli import CONFIGS_HELP, EPILOG, GPU_MEMORY_HELP
+    parser = argparse.ArgumentParser(prog="python -m ssd_trt.build", description=__doc__.splitlines()[0],
+                                     epilog=f"--plan's {EPILOG}")
     parser.add_argument("recipe", type=Path, help="recipe YAML, e.g. recipes/smollm2-135m.yaml")
     parser.add_argument("--force", action="store_true", help="replace an output dir built from another recipe")
     parser.add_argument("--if-stale", action="store_true",
@@ -403,7 +411,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true",
                         help="then choose the build's decoding defaults by measurement on this machine (python -m "
                              "ssd_trt.tune --if-missing: a few minutes; recorded in the manifest)")
+    parser.add_argument("--plan", action="store_true",
+                        help="read no weights and build nothing: print each GPU's memory (every target rank, the "
+                             "draft) from the recipe and the models' config.json, whether it fits, and the recipe "
+                             "changes that would (docs/tensor_parallel.md)")
+    parser.add_argument("--gpu-memory", type=float, metavar="GIB", help=f"with --plan: {GPU_MEMORY_HELP}")
+    parser.add_argument("--configs", type=Path, metavar="DIR", help=f"with --plan: {CONFIGS_HELP}")
+    parser.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     args = parser.parse_args(argv)
+    if args.plan:
+        from ssd_trt.sizing.cli import run
+        return run([args.recipe], args.gpu_memory, args.configs, args.json)
+    if args.gpu_memory is not None or args.configs is not None or args.json:
+        parser.error("--gpu-memory, --configs and --json go with --plan")
     host_bytes = None if args.host_memory is None else int(args.host_memory * (1 << 30))
     try:
         if args.if_stale:

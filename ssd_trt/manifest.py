@@ -26,6 +26,7 @@ SCHEMA_VERSION = 3
 ROLES = ("target", "draft")
 REQUIRED_FILES = ("model.ort.onnx",)                     # per role: the runtime cannot run without these
 LOADED_FILES = REQUIRED_FILES + ("weights.bin", "engine.plan", "engine.rtx.plan")   # per role: read when present
+RANK_LOADED_FILES = ("engine.plan", "engine.rtx.plan")      # per tensor-parallel rank folder: read when present
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -77,6 +78,8 @@ class PlanEntry(_Strict):
     build_seconds: float
     decomposable_attention_layers: int = 0  # fp32 RTX: attentions split into matmul/softmax (no fp32 kernel)
     log: str
+    rank: int | None = None                # a tensor-parallel rank's plan (TensorParallelBuild); None: the whole model
+    collective_layers: int = 0             # its native all-reduce layers: 2 per decoder layer
 
 
 class TensorRTBuild(_Strict):
@@ -86,7 +89,40 @@ class TensorRTBuild(_Strict):
     plans: list[PlanEntry] = []
 
     def plan(self, role: str, edition: str) -> PlanEntry | None:
-        return next((p for p in self.plans if p.role == role and p.edition == edition), None)
+        """The role's whole-model plan of ``edition`` (a tensor-parallel build has rank plans instead)."""
+        return next((p for p in self.plans if p.role == role and p.edition == edition and p.rank is None), None)
+
+    def rank_plans(self, role: str, edition: str) -> list[PlanEntry]:
+        """The role's tensor-parallel rank plans of ``edition``, by rank."""
+        return sorted((p for p in self.plans if p.role == role and p.edition == edition and p.rank is not None),
+                      key=lambda p: p.rank)
+
+
+class TensorParallelRank(_Strict):
+    """One rank's share of a tensor-parallel model: its folder, its step graphs and weights (flavour -> path; their
+    size and sha256 are in the manifest's artifacts), and the all-reduce markers in each graph."""
+    rank: int
+    dir: str
+    files: dict[str, str]
+    all_reduce_markers: int
+
+
+class TensorParallelBuild(_Strict):
+    """How the target was split over ``engine.tensor_parallel`` ranks (``export/tensor_parallel.py``)."""
+    role: Literal["target"]
+    num_ranks: int
+    marker_prefix: str
+    query_heads_per_rank: int
+    kv_heads_per_rank: int
+    kv_head_replicas: int                 # ranks holding each key/value head (> 1: fewer KV heads than ranks)
+    mlp_columns_per_rank: int
+    replicated: str
+    all_reduce_points: str
+    ranks: list[TensorParallelRank]
+
+    def rank_of(self, path: str) -> int | None:
+        """The rank whose folder holds ``path`` (relative to the build), else None."""
+        return next((r.rank for r in self.ranks if Path(path).as_posix().startswith(r.dir + "/")), None)
 
 
 class BuiltModel(_Strict):
@@ -134,6 +170,8 @@ class Manifest(_Strict):
     host_memory: dict[str, Any] | None = None
     # decoding defaults chosen by measurement on this build (ssd_trt/tune.py); None: the recipe's decoding
     tuned_decoding: TunedDecoding | None = None
+    # the target's split over engine.tensor_parallel ranks (ONNX / TensorRT builds); None: one whole target
+    tensor_parallel: TensorParallelBuild | None = None
 
     @model_validator(mode="after")
     def _a_speculative_pair(self) -> "Manifest":
@@ -212,18 +250,25 @@ def verify_artifacts(root: Path, manifest: Manifest, roles: tuple[str, ...]) -> 
     fix = manifest.rebuild_hint
     listed = {Path(entry.path).as_posix() for entry in manifest.artifacts}
     loaded = [f"{role}/{name}" for role in roles for name in LOADED_FILES]
+    split = manifest.tensor_parallel
+    if split is not None and split.role in roles:      # each rank's plans are loaded from its folder
+        loaded += [f"{rank.dir}/{name}" for rank in split.ranks for name in RANK_LOADED_FILES]
     tokenizer_dir = Path(root) / "tokenizer"
     if tokenizer_dir.is_dir():
         loaded += [p.relative_to(root).as_posix() for p in sorted(tokenizer_dir.iterdir())]
     for relative in loaded:
-        required = Path(relative).name in REQUIRED_FILES and manifest.recipe.engine.backend != "torch"
+        # a tensor-parallel model has no ONNX Runtime graph: its ranks' graphs are TensorRT's only
+        whole = split is None or not relative.startswith(f"{split.role}/")
+        required = Path(relative).name in REQUIRED_FILES and manifest.recipe.engine.backend != "torch" and whole
         if relative not in listed and (required or (Path(root) / relative).exists()):
             raise ArtifactError(f"{Path(root) / relative} is not among the manifest's artifacts (missing, left "
                                 f"over from another build, or added by hand); {fix}")
     for entry in manifest.artifacts:
         if entry.role not in roles + ("tokenizer",):
             continue
-        verify_file(Path(root) / entry.path, entry.bytes, entry.sha256, fix)
+        rank = None if split is None else split.rank_of(entry.path)
+        what = "artifact" if rank is None else f"tensor-parallel rank {rank} (of {split.num_ranks})'s file"
+        verify_file(Path(root) / entry.path, entry.bytes, entry.sha256, fix, what)
 
 
 def verify_file(path: Path, size: int, sha256: str, fix: str, what: str = "artifact") -> None:

@@ -37,6 +37,9 @@ class RuntimeOptions:
     # per core of the two; at most target_threads: never more than placed. ONNX Runtime opens two more sessions
     # of the target for them (its weights held three times; same logits, bit for bit: tests/test_embedded_pair.py).
     target_alone_threads: int | None = None
+    # a tensor-parallel target's rank that takes longer for one call is hung: the call fails, every rank is killed
+    # and started afresh for the next request (engines/tensor_parallel.py)
+    rank_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
@@ -51,8 +54,10 @@ class RuntimeOptions:
         if self.backend is not None and self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} (or None for the build's choice), "
                               f"got {self.backend!r}")
-        if not isinstance(self.draft_timeout_s, (int, float)) or not self.draft_timeout_s > 0:
-            raise ConfigError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
+        for name in ("draft_timeout_s", "rank_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value!r}")
 
     def for_build(self, threads_per_engine: int) -> "RuntimeOptions":
         """These options with what they leave to the build filled in: each model's threads from the recipe's

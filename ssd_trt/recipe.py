@@ -90,6 +90,9 @@ class EngineRecipe(EngineLimits):
                     "the data-centre edition builds for the GPU it runs on")
     trt_precision: Literal["fp32", "fp16", "bf16"] = "fp16"
     threads_per_engine: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="ranks the target is split over (Megatron-style: "
+                                                             "heads and MLP columns / rows; the draft stays whole on "
+                                                             "its own device); 1: no split")
 
     @model_validator(mode="after")
     def _tensorrt_for_trt(self) -> "EngineRecipe":

@@ -55,7 +55,7 @@ class Generator:
         except (OSError, ValueError) as exc:
             raise ArtifactError(f"tokenizer in {self.root / 'tokenizer'} cannot be loaded ({exc}); rebuild") from None
         self.engines = EngineSet(self.root, self.manifest, {role: self.options.placement(role) for role in ROLES},
-                                 self.options.backend, self.options.draft_copy)
+                                 self.options.backend, self.options.draft_copy, self.options.rank_timeout_s)
         self.vocab_size = self.manifest.model("target").config.vocab_size
         eos = self.manifest.model("target").config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])

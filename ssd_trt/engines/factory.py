@@ -37,8 +37,10 @@ class EngineSet:
     """The engines of one build, opened on first use and kept (one per role), and how they were chosen."""
 
     def __init__(self, root: Path, manifest: Manifest, placements: dict[str, ModelPlacement],
-                 backend: str | None = None, draft_copy: bool = True) -> None:
+                 backend: str | None = None, draft_copy: bool = True, rank_timeout_s: float = 30.0) -> None:
+        """``rank_timeout_s``: how long a tensor-parallel target's ranks may take to answer one call."""
         self.root, self.manifest, self.placements = Path(root), manifest, placements
+        self.rank_timeout_s = rank_timeout_s
         self.wanted = backend or manifest.recipe.engine.backend
         self.copy_mixture = copy_mixture_of(manifest, root) if draft_copy else None
         self.opened: dict[str, Engine] = {}
@@ -49,7 +51,8 @@ class EngineSet:
         if role not in self.opened:
             backend = self.backend(role)
             self.opened[role] = open_engine(self.root, self.manifest, role, self.placements[role], backend,
-                                            self.editions.get(role, (None, ""))[0], self.copy_mixture)
+                                            self.editions.get(role, (None, ""))[0], self.copy_mixture,
+                                            self.rank_timeout_s)
         return self.opened[role]
 
     def backend(self, role: str) -> str:
@@ -60,6 +63,16 @@ class EngineSet:
             raise ArtifactError(f"{self.root} was built for the torch backend (engine.backend: torch): it has no ONNX "
                                 f"graphs or TensorRT plans for the {self.wanted} backend; run it with "
                                 "RuntimeOptions(backend='torch') (the default), or rebuild with engine.backend: auto")
+        split = self.manifest.tensor_parallel
+        if split is not None and role == split.role and self.wanted != "torch":
+            raise ArtifactError(
+                f"{self.root} splits the {role} over {split.num_ranks} tensor-parallel ranks (engine.tensor_parallel: "
+                f"{split.num_ranks}): each rank's step graph ends its attention and MLP with partial sums that only "
+                "the all-reduce layers of its TensorRT plan complete. ONNX Runtime has no all-reduce, so it cannot run "
+                "the rank graphs (run alone, each would pass its partial sums on as whole), and the rank plans run "
+                "only as one engine per GPU joined by an NCCL communicator, which this runtime does not drive yet. "
+                "The torch backend runs a split target from its checkpoint (RuntimeOptions(backend='torch')); or "
+                f"rebuild with engine.tensor_parallel: 1 to run the {role} on ONNX Runtime or one GPU")
         if self.wanted in ("torch", "ort"):
             return self.wanted
         if role not in self.editions:
@@ -126,11 +139,12 @@ def free_slots(engines) -> None:
 
 
 def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
-                edition: str | None = None, copy_mixture: CopyMixture | None = None) -> Engine:
+                edition: str | None = None, copy_mixture: CopyMixture | None = None,
+                rank_timeout_s: float = 30.0) -> Engine:
     """The role's engine on ``backend`` (ort | trt | torch), placed as asked; ``edition``: which TensorRT plan.
     The one place engine wrappers are stacked: a feature (EAGLE-3) draft's backend engine inside
     ``FeatureDraftEngine`` (which features each token carries), then the draft's copy component around it."""
-    engine = _backend_engine(root, manifest, role, placement, backend, edition)
+    engine = _backend_engine(root, manifest, role, placement, backend, edition, rank_timeout_s)
     if role != "draft":
         return engine
     if manifest.recipe.draft.kind == "eagle3":
@@ -139,10 +153,10 @@ def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlace
 
 
 def _backend_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
-                    edition: str | None) -> Engine:
+                    edition: str | None, rank_timeout_s: float = 30.0) -> Engine:
     spec = engine_spec(manifest, role)
     if backend == "torch":
-        return _torch_engine(manifest, role)
+        return _torch_engine(manifest, role, rank_timeout_s)
     if backend == "trt":
         from ssd_trt.engines.tensorrt import TensorRTEngine
         plan = manifest.tensorrt.plan(role, edition or "datacenter")
@@ -168,14 +182,21 @@ def feature_draft_engine(engine, root: Path) -> Engine:
     return FeatureDraftEngine(engine, widths["features"], widths["draft_hidden"])
 
 
-def _torch_engine(manifest: Manifest, role: str) -> Engine:
-    """The role's model as a TorchDeviceEngine, reloaded from the source the build recorded."""
+def _torch_engine(manifest: Manifest, role: str, rank_timeout_s: float = 30.0) -> Engine:
+    """The role's model as a TorchDeviceEngine, reloaded from the source the build recorded; a target split over
+    ``engine.tensor_parallel`` ranks as a TensorParallelEngine (``engines/tensor_parallel.py``: rank r on GPU r, the
+    draft whole on GPU N)."""
     import torch
 
     from ssd_trt.engines.device_step import Placement
     from ssd_trt.engines.torch_device import TorchDeviceEngine
     from ssd_trt.models.sources import resolve_source, source_fingerprint
 
+    ranks = manifest.recipe.engine.tensor_parallel
+    on_gpu = torch.cuda.is_available()
+    if ranks > 1:
+        from ssd_trt.engines.tensor_parallel import check_ranks_fit
+        check_ranks_fit(manifest, on_gpu)         # before any weight is read
     entry = manifest.model(role)
     try:
         source = resolve_source(entry.source)
@@ -185,11 +206,19 @@ def _torch_engine(manifest: Manifest, role: str) -> Engine:
     if source_fingerprint(source) != entry.source_sha256:
         raise ArtifactError(f"the {role} source {source.path} changed since this build was made (sha256 "
                             "differs from the manifest); rebuild, or use the ort backend")
+    if ranks > 1 and role == "target":
+        from ssd_trt.engines.tensor_parallel import open_split_target
+        return open_split_target(manifest, engine_spec(manifest, role), source.path, on_gpu, rank_timeout_s)
     dtype = getattr(torch, getattr(manifest.recipe, role).dtype)
     model = _reload(manifest, role, source, dtype)
-    on_gpu = torch.cuda.is_available()
-    return TorchDeviceEngine(model, manifest.recipe.engine.limits, name=role, device="cuda" if on_gpu else "cpu",
-                             dtype=dtype, placement=_gpu_placement(role) if on_gpu else Placement())
+    if not on_gpu:
+        # a split target's ranks run the reference attention on CPU (engines/tensor_parallel.py); its draft does too
+        kernel = "reference" if ranks > 1 else "triton"
+        return TorchDeviceEngine(model, manifest.recipe.engine.limits, name=role, device="cpu", dtype=dtype,
+                                 kernel=kernel)
+    placement = Placement(device=ranks) if ranks > 1 else _gpu_placement(role)    # ranks hold GPUs 0 .. N-1
+    return TorchDeviceEngine(model, manifest.recipe.engine.limits, name=role, device="cuda", dtype=dtype,
+                             placement=placement)
 
 
 def _reload(manifest: Manifest, role: str, source, dtype):

@@ -248,19 +248,42 @@ def save_flavours(traced: onnx.ModelProto | None, out_dir: Path, trt_traced: onn
         shared = _externalise(fused, out_dir, "weights.bin")
         onnx.save_model(shared, paths["ort"])
     saved = [shared]
-    if datacenter:
-        if trt_traced is not None or fused is not None:
-            shared = _externalise(traced if trt_traced is None else trt_traced, out_dir, "weights.trt.bin")
-        paths["trt"] = out_dir / "model.trt.onnx"
+    if datacenter and (trt_traced is not None or fused is not None):
+        shared = _externalise(traced if trt_traced is None else trt_traced, out_dir, "weights.trt.bin")
         saved.append(shared)
+    return _tensorrt_flavours(shared, out_dir, datacenter, native, paths, saved)
+
+
+WEIGHT_LABELS = {"weights.bin": "weights", "weights.trt.bin": "trt_weights", "weights.rtx.bin": "rtx_weights"}
+
+
+def _with_weight_files(paths: dict[str, Path], saved: list[onnx.ModelProto], out_dir: Path) -> dict[str, Path]:
+    """``paths`` plus every weight file a saved graph reads, under the flavour label the manifest has always used."""
+    for graph in saved:
+        for name in external_files(graph):
+            paths.setdefault(WEIGHT_LABELS.get(name, name), out_dir / name)
+    return paths
+
+
+def save_engine_flavours(traced: onnx.ModelProto, out_dir: Path, datacenter: bool,
+                         native: onnx.ModelProto | None) -> dict[str, Path]:
+    """Only the TensorRT flavours of a traced graph whose weights are already in ``out_dir/weights.trt.bin``
+    (a tensor-parallel rank's, ``export/tensor_parallel.py``: ONNX Runtime has no all-reduce, so a rank gets no
+    ``ort`` flavour): ``model.trt.onnx`` when ``datacenter``, ``model.rtx.onnx`` when ``native`` is given."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shared = _externalise(traced, out_dir, "weights.trt.bin")
+    return _tensorrt_flavours(shared, out_dir, datacenter, native, {}, [shared])
+
+
+def _tensorrt_flavours(shared: onnx.ModelProto, out_dir: Path, datacenter: bool, native: onnx.ModelProto | None,
+                       paths: dict[str, Path], saved: list[onnx.ModelProto]) -> dict[str, Path]:
+    """``paths`` plus ``model.trt.onnx`` (``shared``, the traced graph over its weight file) when ``datacenter`` and
+    ``model.rtx.onnx`` (``native``, with ``weights.rtx.bin``) when given, and every weight file they read."""
+    if datacenter:
+        paths["trt"] = out_dir / "model.trt.onnx"
         onnx.save_model(trt_flavour(shared), paths["trt"])
     if native is not None:
         paths["rtx"] = out_dir / "model.rtx.onnx"
         saved.append(_externalise(native, out_dir, "weights.rtx.bin"))
         onnx.save_model(saved[-1], paths["rtx"])
-    # every weight file a saved graph reads, under the flavour label the manifest has always used for it
-    labels = {"weights.bin": "weights", "weights.trt.bin": "trt_weights", "weights.rtx.bin": "rtx_weights"}
-    for graph in saved:
-        for name in external_files(graph):
-            paths.setdefault(labels.get(name, name), out_dir / name)
-    return paths
+    return _with_weight_files(paths, saved, out_dir)

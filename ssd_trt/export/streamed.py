@@ -156,17 +156,19 @@ def bind_weights(graph: onnx.ModelProto, checkpoint: Checkpoint, weights: Extern
             kinds[f"int{bits} (built)"] = kinds.get(f"int{bits} (built)", 0) + 1
         else:
             target = torch.int64 if info.dtype == "I64" else dtype
-            _write_float(name, checkpoint, source, shape, transposed, target, weights, graph, binding, keep_computed)
+            write_float(name, checkpoint, source, shape, transposed, target, weights, graph, binding, keep_computed)
     if bits is not None:
         set_default_opset(graph, BLOCK_OPSET)
         binding.quantization = {"layers": layers, "kinds": kinds, "fp32_bytes_replaced": before, "block_bytes": after}
     return binding
 
 
-def _row_blocks(checkpoint: Checkpoint, source: str, shape: tuple[int, ...], transposed: bool, width: int):
+def _row_blocks(checkpoint: Checkpoint, source: str, shape: tuple[int, ...], transposed: bool, width: int,
+                whole: torch.Tensor | None = None):
     """The tensor as the graph holds it, in blocks of rows (multiples of 32 when possible), fp32-sized ~64 MB;
-    the tensor itself is read once, in the checkpoint's dtype."""
-    whole = checkpoint.tensor(source)
+    the tensor itself is read once, in the checkpoint's dtype (``whole``: already read, e.g. one tensor-parallel
+    rank's slice of it)."""
+    whole = checkpoint.tensor(source) if whole is None else whole
     rows = max(BLOCK, (CHUNK_BYTES // max(1, 4 * width)) // BLOCK * BLOCK)
     for start in range(0, shape[0], rows):
         stop = min(shape[0], start + rows)
@@ -174,13 +176,16 @@ def _row_blocks(checkpoint: Checkpoint, source: str, shape: tuple[int, ...], tra
         yield whole[:, start:stop].t() if transposed else whole[start:stop]
 
 
-def _write_float(name, checkpoint, source, shape, transposed, dtype, weights, graph, binding, keep_computed):
+def write_float(name, checkpoint, source, shape, transposed, dtype, weights, graph, binding, keep_computed,
+                whole: torch.Tensor | None = None):
+    """Checkpoint tensor ``source`` (or ``whole``, already read) as graph weight ``name`` of ``shape`` in ``dtype``:
+    written to ``weights`` block of rows by block, its initializer appended to ``graph``."""
     width = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     element = torch.tensor([], dtype=dtype).element_size()
     tensor, offset = weights.reserve(name, ONNX_TYPES[dtype], shape, int(np.prod(shape)) * element)
     kept = []
-    for block in (_row_blocks(checkpoint, source, shape, transposed, width) if len(shape) > 1
-                  else [checkpoint.tensor(source)]):
+    for block in (_row_blocks(checkpoint, source, shape, transposed, width, whole) if len(shape) > 1
+                  else [checkpoint.tensor(source) if whole is None else whole]):
         block = block.to(dtype)
         weights.write(offset, _raw(block))
         offset += block.numel() * element

@@ -93,7 +93,7 @@ class Checkpoint:
     @classmethod
     def open(cls, directory: Path) -> "Checkpoint":
         directory = Path(directory)
-        hf = _read_config(directory)
+        hf = read_config_json(directory)
         tensors = _index_tensors(directory)
         head_ids = tensors.get("lm_head_token_ids")
         try:
@@ -157,7 +157,8 @@ class Checkpoint:
         return torch.frombuffer(buffer, dtype=dtype).reshape(info.shape)
 
 
-def _read_config(directory: Path) -> dict[str, Any]:
+def read_config_json(directory: Path) -> dict[str, Any]:
+    """``directory/config.json`` as a dict, or a RecipeError that says what is wrong with it."""
     path = directory / "config.json"
     if not path.is_file():
         raise RecipeError(f"checkpoint {directory} has no config.json; point the source at an HF checkpoint dir")

@@ -32,12 +32,15 @@ def read_hf_checkpoint(source: ResolvedSource, dtype: torch.dtype = torch.float3
     return checkpoint.hf_config, state
 
 
-def decoder_from_checkpoint(hf: dict[str, Any], state: dict[str, torch.Tensor]) -> Decoder:
+def decoder_from_checkpoint(hf: dict[str, Any], state: dict[str, torch.Tensor],
+                            config: DecoderConfig | None = None) -> Decoder:
     """Build a Decoder around HF-named weights (the tensors themselves, no copy); refuses missing or unexpected
-    tensors."""
+    tensors. ``config``: the decoder to build instead of the one ``hf`` describes (a tensor-parallel rank's shard,
+    ``models/rank_decoder.py``)."""
     from ssd_trt.models.decoder import rope_inverse_frequencies
-    head_ids = state.get("lm_head_token_ids")
-    config = DecoderConfig.from_hf_dict(hf, head_vocab_size=None if head_ids is None else int(head_ids.numel()))
+    if config is None:
+        head_ids = state.get("lm_head_token_ids")
+        config = DecoderConfig.from_hf_dict(hf, head_vocab_size=None if head_ids is None else int(head_ids.numel()))
     with torch.device("meta"):      # no random initialisation of weights that are replaced next
         model = Decoder(config)
     renamed = {}

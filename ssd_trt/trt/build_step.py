@@ -44,16 +44,23 @@ def maybe_build_engines(recipe: Recipe, out: Path) -> dict[str, Any]:
             raise SsdTrtError(f"recipe asks for backend 'trt' but no TensorRT edition can build here ({why}). "
                               f"ONNX artifacts are in {out}; set engine.backend to 'auto' or 'ort' to use them")
         return {"status": "stopped at ONNX", "reason": why, "plans": []}
+    from ssd_trt.export.host_memory import release_freed_memory
     from ssd_trt.trt.engine_build import build_engine
     e = recipe.engine
     plans, artifacts = [], []
     for role in ROLES:
-        try:
-            plan = build_engine(edition, role, out, e.limits, e.trt_precision, tuple(e.compute_capabilities),
-                                recipe_fingerprint(recipe))
-        except (ValueError, RuntimeError) as error:
-            raise SsdTrtError(f"building the {role}'s {edition.name} TensorRT plan failed: {error}") from None
-        plans.append(plan)
-        artifacts.append({"role": role, "flavour": "engine", "path": plan["path"], "sha256": plan["sha256"],
-                          "bytes": plan["bytes"]})
+        # a tensor-parallel target: one plan per rank, built one after the other (the builder's memory is one rank's)
+        ranks = e.tensor_parallel if role == "target" else 1
+        for rank in range(ranks) if ranks > 1 else [None]:
+            which = f"{role}'s" if rank is None else f"{role} rank {rank}'s (of {ranks})"
+            try:
+                plan = build_engine(edition, role, out, e.limits, e.trt_precision, tuple(e.compute_capabilities),
+                                    recipe_fingerprint(recipe), rank=rank, num_ranks=ranks)
+            except (ValueError, RuntimeError) as error:
+                raise SsdTrtError(f"building the {which} {edition.name} TensorRT plan failed: {error}") from None
+            plans.append(plan)
+            artifacts.append({"role": role, "flavour": "engine", "path": plan["path"], "sha256": plan["sha256"],
+                              "bytes": plan["bytes"]})
+            if rank is not None:      # the next rank's builder starts from a trimmed heap
+                release_freed_memory()
     return {"status": "built", "reason": f"{edition.name}: {reason}", "plans": plans, "artifacts": artifacts}

@@ -119,8 +119,11 @@ def profile_table(layout: BindingLayout, limits: EngineLimits, profiles: tuple[P
 
 def manifest_entry(edition: Edition, role: str, root: Path, out_path: Path, onnx_path: Path, table,
                    precision: str, trt_version: str, capabilities: tuple[str, ...], seconds: float,
-                   recipe_sha256: str, log_path: Path, decomposable: int = 0) -> dict:
-    """The manifest record of a built plan (``manifest.PlanEntry``)."""
+                   recipe_sha256: str, log_path: Path, decomposable: int = 0, rank: int | None = None,
+                   collectives: int = 0) -> dict:
+    """The manifest record of a built plan (``manifest.PlanEntry``); a tensor-parallel rank's says which rank and
+    how many all-reduce layers it holds."""
+    ranked = {} if rank is None else {"rank": rank, "collective_layers": collectives}
     return {
         "role": role, "edition": edition.name, "tensorrt_version": trt_version,
         "path": out_path.relative_to(root).as_posix(), "sha256": sha256_file(out_path),
@@ -131,24 +134,44 @@ def manifest_entry(edition: Edition, role: str, root: Path, out_path: Path, onnx
         "profiles": [{"name": profile.name, "batch": list(profile.batch), "tokens": list(profile.tokens),
                       "shapes": {name: [list(shape) for shape in shapes] for name, shapes in ranges.items()}}
                      for profile, ranges in table],
+        **ranked,
     }
+
+
+def check_markers(model: onnx.ModelProto, num_ranks: int) -> int:
+    """The all-reduce markers the graph must have for ``num_ranks`` (none for a whole model; two per attention
+    layer for a rank's: after o_proj and after down_proj); returns how many. ValueError otherwise."""
+    from ssd_trt.export.tensor_parallel import marker_nodes
+    markers = len(marker_nodes(model))
+    layers = sum(node.op_type in ("Attention", PLUGIN_NAME) for node in model.graph.node)
+    if num_ranks == 1 and markers:
+        raise ValueError(f"the graph is a tensor-parallel rank's ({markers} all-reduce markers) but the plan is built "
+                         "for one rank: its markers would pass partial sums on as if whole")
+    if num_ranks > 1 and markers != 2 * layers:
+        raise ValueError(f"a rank graph for {num_ranks} ranks needs 2 all-reduce markers per decoder layer "
+                         f"({2 * layers}), the graph has {markers}: export it with export/tensor_parallel.py")
+    return markers
 
 
 def build_engine(edition: Edition, role: str, root: Path, limits: EngineLimits, precision: str,
                  capabilities: tuple[str, ...], recipe_sha256: str,
-                 profiles: tuple[Profile, ...] | None = None) -> dict:
-    """Build ``<root>/<role>/<edition.plan_file>`` from the edition's flavour and return its manifest entry.
+                 profiles: tuple[Profile, ...] | None = None, rank: int | None = None, num_ranks: int = 1) -> dict:
+    """Build ``<root>/<role>/<edition.plan_file>`` from the edition's flavour and return its manifest entry; with
+    ``rank``, tensor-parallel rank ``rank`` of ``num_ranks``'s plan from ``<root>/<role>/rank<rank>/``, its
+    all-reduce markers replaced by the native collective (``collectives.py``).
 
     Raises TensorRTUnavailable (the edition cannot build here), ValueError (graph or recipe mismatch,
     profiles that miss a runtime step shape) or RuntimeError (parse or build failure; details in the log).
     """
     root = Path(root)
-    onnx_path = root / role / f"model.{edition.flavour}.onnx"
-    out_path, log_path = root / role / edition.plan_file, root / role / f"build.{edition.name}.log"
+    folder = root / role if rank is None else root / role / f"rank{rank}"
+    onnx_path = folder / f"model.{edition.flavour}.onnx"
+    out_path, log_path = folder / edition.plan_file, folder / f"build.{edition.name}.log"
     model = onnx.load(str(onnx_path), load_external_data=False)
     layout = BindingLayout.from_onnx(model)
     check_precision(layout, precision)
     check_graph(edition, model)
+    markers = check_markers(model, num_ranks)
     table = profile_table(layout, limits, profiles)
     if edition is RTX:
         from ssd_trt.engines.availability import probe_tensorrt_rtx
@@ -160,11 +183,12 @@ def build_engine(edition: Edition, role: str, root: Path, limits: EngineLimits, 
     if not available:
         raise TensorRTUnavailable(f"cannot build a {edition.name} TensorRT plan here: {reason}")
     return _build_with_tensorrt(edition, role, root, onnx_path, out_path, log_path, table, precision, capabilities,
-                                recipe_sha256)
+                                recipe_sha256, rank, num_ranks, markers)
 
 
 def _build_with_tensorrt(edition: Edition, role: str, root: Path, onnx_path: Path, out_path: Path, log_path: Path,
-                         table, precision: str, capabilities: tuple[str, ...], recipe_sha256: str) -> dict:
+                         table, precision: str, capabilities: tuple[str, ...], recipe_sha256: str,
+                         rank: int | None = None, num_ranks: int = 1, markers: int = 0) -> dict:
     trt = edition.import_module()
     timing_cache = root / "timing.cache"
     if edition is DATACENTER:
@@ -184,6 +208,16 @@ def _build_with_tensorrt(edition: Edition, role: str, root: Path, onnx_path: Pat
             errors = "; ".join(str(parser.get_error(i)).splitlines()[0] for i in range(parser.num_errors))
             raise RuntimeError(f"{edition.module} could not parse {onnx_path}: {errors} (log: {log_path})")
         decomposable = prepare_network(edition, trt, network, precision)
+        collectives = 0
+        if num_ranks > 1:      # the same rewiring for both editions: one network API
+            from ssd_trt.trt.collectives import count_collectives, insert_all_reduces
+            insert_all_reduces(trt, network, num_ranks)
+            collectives = count_collectives(trt, network)
+            if collectives != markers:
+                raise RuntimeError(f"{onnx_path} has {markers} all-reduce markers but its parsed network got "
+                                   f"{collectives} all-reduce layers (log: {log_path})")
+            log_file.write(f"[ssd-trt] rank {rank} of {num_ranks}: {collectives} all-reduce layers in place of the "
+                           "graph's markers\n")
         config = builder.create_builder_config()
         configure(edition, trt, config, capabilities)
         for _, ranges in table:
@@ -211,7 +245,7 @@ def _build_with_tensorrt(edition: Edition, role: str, root: Path, onnx_path: Pat
             timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
         log_file.write(f"[ssd-trt] built in {seconds:.1f} s\n")
     return manifest_entry(edition, role, root, out_path, onnx_path, table, precision, trt.__version__,
-                          tuple(capabilities), seconds, recipe_sha256, log_path, decomposable)
+                          tuple(capabilities), seconds, recipe_sha256, log_path, decomposable, rank, collectives)
 
 
 def _file_logger(trt, stream):
