@@ -34,10 +34,15 @@ def encode_prompt(tokenizer, prompt: str | bytes, chat: bool) -> list[int]:
         raise RequestError("prompt is empty; give at least one non-whitespace character")
     if not chat:
         return list(tokenizer(prompt)["input_ids"])
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}], "drop --chat / chat=True")
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]], fix: str = "send a plain prompt instead") -> list[int]:
+    """Token ids of a conversation (``role`` / ``content`` dicts) through the tokenizer's chat template, ending where
+    the assistant's reply starts. ``fix``: what the caller should do when the tokenizer has no template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model's tokenizer has no chat template; drop --chat / chat=True")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
+        raise RequestError(f"this model's tokenizer has no chat template; {fix}")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

@@ -97,7 +97,7 @@ def test_the_decoding_layer_never_imports_the_engine_step():
 
 def test_only_the_engine_steps_users_import_it():
     users = {name for name, edges in GRAPH.items() if "ssd_trt.batching.engine" in edges}
-    assert users <= {"ssd_trt.runtime", "ssd_trt.serve.triton.backend"}
+    assert users <= {"ssd_trt.runtime", "ssd_trt.serve.core"}      # every frontend serves through the core
     for name in MODULES:       # and nothing below it is handed one
         if name.startswith(("ssd_trt.batching", "ssd_trt.decoding")) and name != "ssd_trt.batching.engine":
             assert "LLMEngine" not in MODULES[name].read_text(), name

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -51,6 +52,63 @@ def test_detokenizer_pieces_concatenate_to_the_final_text():
     sent = [detok.push([1]), detok.push([2]), detok.push([3]), detok.push([4])]
     assert sent[2] == ""                                   # held back: incomplete character
     assert "".join(sent) + detok.finish("Hello w\u00e9") == "Hello w\u00e9"
+
+
+def test_triton_metrics_export_the_shared_catalogue_beside_the_legacy_gauges():
+    """Counters grow by what the totals grew, gauges are set, histograms replay their new observations, and a family
+    the backend refuses (an older Triton without histograms) is logged once while the others still export."""
+    from ssd_trt.batching.metrics import EngineMetrics
+    from ssd_trt.serve.metrics import ServingMetrics, families
+    from ssd_trt.serve.triton.metrics import TritonMetrics
+
+    class Metric:
+        def __init__(self, labels, buckets=None):
+            self.labels, self.buckets, self.value, self.observed = labels, buckets, 0.0, []
+
+        def increment(self, by):
+            self.value += by
+
+        def set(self, value):
+            self.value = value
+
+        def observe(self, value):
+            self.observed.append(value)
+
+    class MetricFamily:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+        made: dict = {}
+
+        def __init__(self, name, description, kind):
+            if kind == "histogram" and name.endswith("e2e_request_latency_seconds"):
+                raise ValueError("no histograms here")
+            self.name, self.kind, self.metrics = name, kind, []
+            MetricFamily.made[name] = self
+
+        def Metric(self, labels, buckets=None):        # noqa: N802 -- pb_utils' name
+            self.metrics.append(Metric(labels, buckets))
+            return self.metrics[-1]
+
+    logged: list[str] = []
+    exporter = TritonMetrics(SimpleNamespace(MetricFamily=MetricFamily), "ssd_trt", logged.append)
+    engine, serving = EngineMetrics(), ServingMetrics()
+    engine.accepted, engine.drafted, engine.speculative_rounds, engine.waiting = 5, 8, 4, 2
+    engine.accepted_per_pos.update({0: 3, 1: 2})
+    serving.ttft.observe(0.2)
+    serving.e2e.observe(1.0)
+    exporter.update(engine, families(engine, serving))
+    engine.accepted += 3
+    serving.ttft.observe(0.4)
+    exporter.update(engine, families(engine, serving))
+    made = MetricFamily.made
+    [accepted] = made["ssd_trt:spec_decode_num_accepted_tokens_total"].metrics
+    assert accepted.value == 8 and accepted.labels == {"model": "ssd_trt"}
+    assert made["ssd_trt:num_requests_waiting"].metrics[0].value == 2
+    per_pos = made["ssd_trt:spec_decode_num_accepted_tokens_per_pos_total"].metrics
+    assert {m.labels["position"]: m.value for m in per_pos} == {"0": 3, "1": 2}
+    [ttft] = made["ssd_trt:time_to_first_token_seconds"].metrics
+    assert ttft.observed == [0.2, 0.4] and ttft.buckets
+    assert made["ssd_trt_acceptance_rate"].metrics[0].value == 8 / 8     # the legacy gauges, as before
+    assert len(logged) == 1 and "e2e_request_latency_seconds" in logged[0]
 
 
 def test_export_writes_two_models_with_trtllm_tensor_names(smollm2_build, tmp_path):
@@ -248,6 +306,15 @@ def test_mixed_requests_share_rounds_exactly_and_the_engine_metrics_are_exported
     hit_rate = metrics["ssd_trt_cache_hit_rate"]     # NaN until an SSD round has looked its cache up
     assert 0 < metrics["ssd_trt_acceptance_rate"] <= 1 and (np.isnan(hit_rate) or 0 <= hit_rate <= 1)
     assert metrics["ssd_trt_mean_accepted_length"] > 0 and metrics["ssd_trt_waiting_requests"] == 0
+    # and the catalogue both frontends export (serve/metrics.py), vLLM's names under ssd_trt:, histograms included
+    lines = [line for line in server.metrics().splitlines() if 'model="ssd_trt"' in line]
+    for name in ("ssd_trt:num_requests_waiting", "ssd_trt:generation_tokens_total",
+                 "ssd_trt:spec_decode_num_accepted_tokens_total", "ssd_trt:request_success_total",
+                 "ssd_trt:spec_decode_num_accepted_tokens_per_pos_total", "ssd_trt:ssd_adaptive_rounds_total",
+                 "ssd_trt:time_to_first_token_seconds_count", "ssd_trt:inter_token_latency_seconds_bucket"):
+        assert any(line.startswith(name + "{") for line in lines), name
+    [ttft] = [line for line in lines if line.startswith("ssd_trt:time_to_first_token_seconds_count{")]
+    assert float(ttft.rsplit(" ", 1)[1]) >= len(MIXED)
 
 
 

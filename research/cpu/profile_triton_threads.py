@@ -33,9 +33,9 @@ from ssd_trt.bench.prompts import DEFAULT_PROMPTS, load_prompts  # noqa: E402
 
 THREADS = ("ssd-trt-step", "ssd-trt-send", "ssd-draft_0")
 SHOWN = 14          # functions listed per thread (the busiest), and these whatever their share:
-WATCHED = ("ModelServer._deliver", "LLMEngine._plan", "LoadPolicy.choose", "ModelServer._abort_cancelled",
-           "ModelServer._send_now", "Detokenizer.push", "EngineGauges.update")
-SKIP = ("Thread.", "_bootstrap", "_worker (concurrent", "StepLoop._loop", "ModelServer._send_loop",
+WATCHED = ("ServingCore._deliver", "LLMEngine._plan", "LoadPolicy.choose", "ServingCore._abort_cancelled",
+           "ServingCore._send", "Detokenizer.push", "TritonMetrics.update")
+SKIP = ("Thread.", "_bootstrap", "_worker (concurrent", "StepLoop._loop", "ServingCore._send_loop",
         "<module>", "WorkItem.run")
 
 

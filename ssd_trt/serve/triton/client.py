@@ -205,18 +205,25 @@ def bench(url: str, specs: list[dict[str, Any]], concurrency: int, repeat: int =
         thread.start()
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - started
+    return summarize(results, time.perf_counter() - started, concurrency, specs)
+
+
+def summarize(results: list[Result | None], wall: float, concurrency: int, specs: list[dict[str, Any]]
+              ) -> dict[str, Any]:
+    """One closed-loop run's numbers (any frontend's: the OpenAI load bench uses it too): throughput, latency and
+    time-to-first-token percentiles, the errors, and every request's result. A request's tokens are its
+    ``generated_tokens`` statistic where its client does not see the ids (OpenAI)."""
     done = [r for r in results if r is not None]
     ok = [r for r in done if r.error is None]
     latencies = sorted(r.latency_s for r in ok)
     ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
-    tokens = sum(len(r.token_ids) for r in ok)
+    tokens = sum(len(r.token_ids) or r.stats.get("generated_tokens", 0) for r in ok)
 
     def pct(values: list[float], p: float) -> float | None:
         return values[min(len(values) - 1, int(round(p * (len(values) - 1))))] if values else None
 
     modes = sorted({spec.get("mode", "ssd") for spec in specs})
-    return {"concurrency": concurrency, "requests": total, "mode": modes[0] if len(modes) == 1 else "mixed",
+    return {"concurrency": concurrency, "requests": len(results), "mode": modes[0] if len(modes) == 1 else "mixed",
             "max_tokens": max(spec["max_tokens"] for spec in specs), "wall_s": wall,
             "errors": [r.error for r in done if r.error], "generated_tokens": tokens,
             "throughput_tok_s": tokens / wall, "requests_per_s": len(ok) / wall,

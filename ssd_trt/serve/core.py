@@ -1,0 +1,354 @@
+"""The serving loop every frontend shares: requests into the engine step, their tokens and text out to the clients.
+
+A frontend (Triton's Python backend, the OpenAI HTTP server) turns its protocol into a :class:`Submission` (checked
+by :meth:`ServingCore.check`, the runtime's one request check) and hands it to :meth:`ServingCore.submit` with a
+:class:`Handle`: the frontend's way of answering that one client. From there this module does the rest, once for
+every frontend:
+
+* one step thread (:class:`StepLoop`) runs the engine's steps (``batching/engine.py``: continuous batching) while any
+  request is unfinished; it only hands each step's new tokens over, and times their arrival for the latency metrics,
+  so it goes on computing meanwhile;
+* one sender thread detokenizes (holding back the beginning of a stop string, ``detokenize.py``), answers through each
+  request's handle (chunks, then the final result with the usage and the request's speculation statistics, or an
+  error), asks the handles every ``CANCEL_POLL_S`` whether their client cancelled or went away and aborts those
+  requests (their rows are freed at the next step), and runs the frontend's metric exporters;
+* the metrics (``serve/metrics.py``): the engine step's totals and the loop's own (tokens, finished requests, time to
+  first token, inter-token and end-to-end latency).
+
+A send that fails (the client is gone) marks the request gone: nothing more is sent to it and it is aborted; the
+other requests never notice. A step that raises fails the requests in the engine with an error (the engines stay
+usable); a queue that is full refuses the request at :meth:`ServingCore.submit` (``CapacityError``).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from ssd_trt.batching.engine import LLMEngine, RequestOutput
+from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.sequence import SequenceState
+from ssd_trt.decoding.settings import ResolvedMode, Settings
+from ssd_trt.detokenize import Detokenizer
+from ssd_trt.engines.affinity import pin
+from ssd_trt.errors import RequestError, SsdTrtError
+from ssd_trt.runtime import MODES, Generator
+from ssd_trt.serve.metrics import FINISHED_REASON, Family, ServingMetrics
+from ssd_trt.serve.metrics import families as metric_families
+
+WARMUP_PROMPT = "Hello"
+CANCEL_POLL_S = 0.1     # how often the sender thread asks the handles whether their client cancelled
+METRICS_EVERY_S = 0.5   # how often the sender thread runs the frontends' metric exporters
+
+
+class RequestCancelled(RequestError):
+    """The request was aborted because its client cancelled it or went away."""
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request, checked against the build: what the engine step needs, and whether the client streams."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    mode: ResolvedMode              # resolved once, when the request was checked
+    stream: bool
+
+
+@dataclass
+class Final:
+    """How a request ended. Streamed, ``text`` and ``token_ids`` are what was not sent in chunks yet (the chunks and
+    these concatenate to the whole); otherwise the whole text and every token."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str              # the engine's: eos | stop | length
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict[str, Any]           # request_stats
+
+
+class Handle(Protocol):
+    """A frontend's answer channel for one request; called on the sender thread only. A method that raises marks
+    the request gone (the client went away): it is aborted and nothing more is sent."""
+
+    def chunk(self, text: str, token_ids: list[int]) -> None: ...
+
+    def final(self, result: Final) -> None: ...
+
+    def error(self, exc: BaseException) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class Job:
+    """A submitted request, until it is answered."""
+    request_id: str
+    submission: Submission
+    handle: Handle
+    detokenizer: Detokenizer | None
+    received: float = field(default_factory=time.perf_counter)
+    last_tokens_at: float | None = None       # the step thread's clock when its latest tokens arrived
+    gone: bool = False                        # the client is gone (a send failed, the HTTP side left): send nothing
+    cancelled: bool = False                   # the client cancelled (Triton): no more chunks, a CANCELLED final
+    aborting: bool = False                    # the engine was asked to abort it
+
+
+def request_stats(seq: SequenceState) -> dict[str, Any]:
+    """One request's own speculation numbers (None where they do not apply, e.g. mode ar or nothing drafted)."""
+    summary = seq.stats.summary()
+    return {"mode": seq.resolved.name, "generated_tokens": len(seq.tokens), "accepted_tokens": seq.stats.accepted,
+            "speculative_rounds": seq.stats.rounds, "acceptance_rate": summary["acceptance_rate"],
+            "cache_hit_rate": summary["cache_hit_rate"]}
+
+
+def warm_up(generator: Generator) -> None:
+    """A 2-token request per mode: the engines' first runs (allocations, graph optimizations) happen before a
+    client waits on them."""
+    ids = generator.encode(WARMUP_PROMPT)
+    for mode in MODES:
+        generator.generate_ids([ids], SamplingParams(max_new_tokens=2), mode=mode)
+
+
+class StepLoop:
+    """One thread that runs the engine's steps while any request is unfinished, and sleeps otherwise."""
+
+    def __init__(self, llm: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+                 on_error: Callable[[BaseException], None], cores: tuple[int, ...] | None) -> None:
+        self.llm, self.on_outputs, self.on_error, self.cores = llm, on_outputs, on_error, cores
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="ssd-trt-step", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the requests in the engine, then stop."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        pin(self.cores)                          # this thread is the target's device
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self.llm.has_unfinished():
+                try:
+                    outputs = self.llm.step()
+                except Exception as exc:  # noqa: BLE001 -- every request must still get an answer
+                    self.on_error(exc)
+                    continue
+                self.on_outputs(outputs)
+            if self._stopping:
+                return
+
+
+class ServingCore:
+    """The engine step over a loaded build, with its step thread, its sender thread and its metrics."""
+
+    def __init__(self, generator: Generator, max_running: int, log: Callable[[str], None] = print,
+                 max_waiting: int = 1024, calibrate: bool = True) -> None:
+        self.generator = generator
+        self.log = log
+        self.llm = LLMEngine(generator, max_running=max_running, max_waiting=max_waiting, calibrate=calibrate)
+        self.metrics = ServingMetrics()
+        self.exporters: list[Callable[[], None]] = []    # run on the sender thread: periodically, before each final
+        self.jobs: dict[str, Job] = {}
+        self._ids = 0
+        self._lock = threading.Lock()
+        self._outbox: queue.Queue = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name="ssd-trt-send", daemon=True)
+        self._sender.start()
+        self.loop = StepLoop(self.llm, self._deliver, self.fail_all, generator.options.step_cores)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.generator.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- requests (any thread) -----------------------------------------------------------------------------------
+    def check(self, prompt_ids: list[int], params: SamplingParams, settings: Settings | str, stream: bool
+              ) -> Submission:
+        """The runtime's one request check (prompt within the context, K and tree within the engine's limits):
+        a RequestError names what is wrong."""
+        [ids], resolved = self.generator.check_request([prompt_ids], params, settings)
+        return Submission(ids, params, resolved, stream)
+
+    def submit(self, submission: Submission, handle: Handle) -> str:
+        """Queue a checked request; its answers go to ``handle``. Raises CapacityError when the queue is full."""
+        hold = max((len(text) for text in submission.params.stop), default=1) - 1
+        detokenizer = Detokenizer(self.decode, hold) if submission.stream else None
+        with self._lock:
+            self._ids += 1
+            request_id = str(self._ids)
+            self.jobs[request_id] = Job(request_id, submission, handle, detokenizer)
+        try:
+            self.llm.add_request(submission.prompt_ids, submission.params, submission.mode, request_id=request_id)
+        except BaseException:
+            with self._lock:
+                self.jobs.pop(request_id, None)
+            raise
+        with self._lock:
+            self.metrics.prompt_tokens += len(submission.prompt_ids)
+        self.loop.wake()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: send it nothing more; its rows are freed at the next step."""
+        with self._lock:
+            job = self.jobs.get(request_id)
+        if job is not None:
+            job.gone = job.aborting = True
+            self.llm.abort(request_id)
+
+    def families(self) -> list[Family]:
+        """The metrics, read now (``serve/metrics.py``)."""
+        return metric_families(self.llm.metrics, self.metrics)
+
+    def close(self) -> None:
+        self.loop.close()
+        self.llm.close()
+        self._outbox.put(None)
+        self._sender.join(30.0)
+
+    # -- the step thread -----------------------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Time each request's new tokens, hand them (and the finished ones' results) to the sender thread:
+        everything that talks to clients happens there, so none of it delays the next round."""
+        now = time.perf_counter()
+        for output in outputs:
+            with self._lock:
+                job = self.jobs.get(output.request_id)
+                if job is not None and output.finished:
+                    del self.jobs[output.request_id]
+            if job is None:
+                continue
+            if output.new_tokens:
+                if job.last_tokens_at is None:
+                    self.metrics.ttft.observe(now - job.received)
+                else:
+                    self.metrics.itl.observe(now - job.last_tokens_at)
+                job.last_tokens_at = now
+            if output.finished:
+                self.metrics.e2e.observe(now - job.received)
+                self.metrics.finished[FINISHED_REASON.get(output.finish_reason, "error")] += 1
+                self._outbox.put((job, "final", (output.new_tokens, self.llm.take_result(output.request_id))))
+            elif job.submission.stream and output.new_tokens:
+                self._outbox.put((job, "chunk", output.new_tokens))
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The engine step failed: every request in it gets an error (the engines stay usable)."""
+        if not isinstance(exc, SsdTrtError):
+            self.log(f"ssd_trt: generation failed: {traceback.format_exc()}")
+        with self._lock:
+            jobs, self.jobs = self.jobs, {}
+        for request_id, job in jobs.items():
+            self.llm.abort(request_id)
+            self.metrics.finished["error"] += 1
+            self._outbox.put((job, "error", exc))
+
+    # -- the sender thread ---------------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        """Deliver what the step loop queued, in each request's order; abort the requests whose client cancelled
+        (checked every ``CANCEL_POLL_S``: asking Triton is a round trip between processes, too slow to make for every
+        request in every round); run the exporters every ``METRICS_EVERY_S``.
+
+        What queued up while the last answers were being sent goes out as one chunk per request: under load a
+        stream gets fewer, larger chunks instead of falling behind the engine."""
+        polled = exported = time.perf_counter()
+        while True:
+            try:
+                items = [self._outbox.get(timeout=CANCEL_POLL_S)]
+            except queue.Empty:
+                items = []
+            while True:
+                try:
+                    items.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            by_job: dict[int, tuple[Job, list]] = {}
+            for item in items:
+                if item is not None:
+                    by_job.setdefault(id(item[0]), (item[0], []))[1].append(item[1:])
+            for job, entries in by_job.values():
+                try:
+                    self._send_entries(job, entries)
+                except Exception as exc:  # noqa: BLE001 -- one request's failure must not stop the others' delivery
+                    self.log(f"ssd_trt: an answer could not be made: {traceback.format_exc()}")
+                    self._send(job, job.handle.error, exc)
+                    job.gone = True
+            if None in items:
+                return
+            now = time.perf_counter()
+            if now - polled >= CANCEL_POLL_S:
+                polled = now
+                self._abort_cancelled()
+            if now - exported >= METRICS_EVERY_S:
+                exported = now
+                self._export()
+
+    def _send_entries(self, job: Job, entries: list[tuple[str, Any]]) -> None:
+        """One chunk for a request's queued tokens, its final answer (or error) last; nothing once it is gone."""
+        tokens: list[int] = []
+        for kind, payload in entries:
+            if job.gone:
+                return
+            if kind == "chunk":
+                tokens += payload
+            elif kind == "error":
+                self._send(job, job.handle.error, payload)
+                return
+            else:
+                new_tokens, seq = payload
+                if seq.finish_reason == "abort":
+                    self._send(job, job.handle.error, RequestCancelled("request cancelled by the client"))
+                    return
+                self._export()           # a client that got its answer reads metrics that count it
+                self._send(job, job.handle.final, self._final(job, tokens + new_tokens, seq))
+                return
+        if tokens and not job.cancelled:
+            self._send(job, job.handle.chunk, job.detokenizer.push(tokens), tokens)
+
+    def _final(self, job: Job, unsent: list[int], seq: SequenceState) -> Final:
+        text = seq.text(self.decode)
+        if job.submission.stream:        # the last tokens' text, up to the end of the final (possibly cut) text
+            text, ids = job.detokenizer.finish(text), unsent
+        else:
+            ids = seq.tokens
+        return Final(text, ids, seq.finish_reason, len(job.submission.prompt_ids), len(seq.tokens),
+                     request_stats(seq))
+
+    def _send(self, job: Job, method: Callable, *args: Any) -> None:
+        """A failure (the client went away) marks the request gone and never disturbs the others."""
+        try:
+            method(*args)
+        except Exception as exc:  # noqa: BLE001
+            job.gone = True
+            self.log(f"ssd_trt: dropping a request whose answer could not be sent ({type(exc).__name__}: {exc})")
+
+    def _abort_cancelled(self) -> None:
+        """Abort the requests whose client is gone or cancelled. A cancelled one still gets its final answer (an
+        error saying so): Triton holds a decoupled request open until its final response, unloading included."""
+        with self._lock:
+            live = list(self.jobs.items())
+        for request_id, job in live:
+            if job.aborting:
+                continue
+            if not job.gone:
+                try:
+                    job.cancelled = job.handle.cancelled()
+                except Exception:  # noqa: BLE001 -- a handle that cannot tell has lost its client
+                    job.gone = True
+            if job.gone or job.cancelled:
+                job.aborting = True
+                self.llm.abort(request_id)
+
+    def _export(self) -> None:
+        for exporter in self.exporters:
+            try:
+                exporter()
+            except Exception:  # noqa: BLE001 -- metrics never stop the answers
+                self.log(f"ssd_trt: exporting metrics failed: {traceback.format_exc()}")

@@ -1,0 +1,192 @@
+"""The HTTP layer: FastAPI routes over the shared serving loop (``serve/core.py``); nothing else lives here.
+
+    GET  /health                 200 once the model is loaded and warmed up, 503 before
+    GET  /v1/models              the one model this server serves
+    POST /v1/completions         a prompt (``protocol.py`` lists the fields)
+    POST /v1/chat/completions    messages, through the tokenizer's chat template
+    GET  /metrics                Prometheus text (``serve/metrics.py``)
+
+The server listens at once and loads the build on a thread (``ServerState.load``), so an orchestrator can tell
+"loading" (503 on /health) from "dead" (no answer). Each request is checked completely before it is queued (a 400 with
+the OpenAI error object otherwise) and then handed to the serving loop with a :class:`~.stream.QueueHandle`; a
+streamed one is answered as server-sent events, a plain one when it finishes. A client that goes away has its
+request aborted: while streaming the response notices at once (``AbortingStream``); while waiting for a plain answer
+the route asks every ``DISCONNECT_POLL_S``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import traceback
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ssd_trt.serve.core import ServingCore
+from ssd_trt.serve.metrics import render
+from ssd_trt.serve.openai.errors import ApiError, bad_request, from_exception
+from ssd_trt.serve.openai.protocol import Chunks, Parsed, error_event, new_id, parse, response
+from ssd_trt.serve.openai.stream import AbortingStream, QueueHandle
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerState:
+    """What the routes need: the model's name and, once loaded, the serving loop."""
+    model: str
+    load: Callable[[], ServingCore]               # runs on the loader thread
+    log: Callable[[str], None] = print
+    on_failure: Callable[[str], None] = lambda message: None    # the load failed: stop the server
+    core: ServingCore | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    max_context: int | None = None
+
+    def start_loading(self) -> threading.Thread:
+        def run() -> None:
+            try:
+                core = self.load()
+            except Exception as exc:  # noqa: BLE001 -- any failure to load ends the server, with its reason
+                message = str(exc) if not isinstance(exc, (KeyError, AttributeError)) else repr(exc)
+                self.log(f"ssd_trt: loading failed: {type(exc).__name__}: {message}")
+                self.on_failure(message)
+                return
+            self.max_context = core.generator.limits.max_context
+            self.core = core
+        thread = threading.Thread(target=run, name="ssd-trt-load", daemon=True)
+        thread.start()
+        return thread
+
+    def ready_core(self) -> ServingCore:
+        if self.core is None:
+            raise ApiError(503, "the model is still loading; retry when GET /health answers 200",
+                           "service_unavailable_error", code="loading", headers={"Retry-After": "5"})
+        return self.core
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start_loading()
+        yield
+        if state.core is not None:
+            state.core.close()
+
+    app = FastAPI(title="ssd-trt OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:     # noqa: ARG001
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                         "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:     # noqa: ARG001
+        state.log(f"ssd_trt: unexpected error: {traceback.format_exc()}")
+        return error_response(from_exception(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.core is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": state.model, "object": "model", "created": state.created, "owned_by": "ssd-trt"}
+        if state.max_context is not None:
+            card["max_model_len"] = state.max_context
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.core is None:
+            return PlainTextResponse("", status_code=503)
+        return PlainTextResponse(render(state.core.families(), {"model_name": state.model}),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        core = state.ready_core()
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON ({exc})", None) from None
+        try:
+            parsed = parse(body, core, state.model, chat)
+            handle = QueueHandle(asyncio.get_running_loop())
+            request_id = core.submit(parsed.submission, handle)
+        except Exception as exc:  # noqa: BLE001 -- every refusal is an OpenAI error object
+            error = from_exception(exc)
+            if error.status >= 500:             # not the request's fault: the log keeps the whole story
+                state.log(f"ssd_trt: a request could not be taken: {traceback.format_exc()}")
+            raise error from None
+        answer_id = new_id(chat)
+
+        def abort() -> None:
+            handle.closed = True
+            core.abort(request_id)
+        if parsed.submission.stream:
+            return AbortingStream(events(handle, Chunks(parsed, answer_id, state.model)), abort)
+        return await whole(request, handle, parsed, answer_id, abort)
+
+    async def whole(request: Request, handle: QueueHandle, parsed: Parsed, answer_id: str,
+                    abort: Callable[[], None]) -> Response:
+        """A plain request's answer, once it finished; aborted if its client goes away meanwhile."""
+        clock = asyncio.get_running_loop().time
+        asked = clock()
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                kind, payload = "waiting", None
+            if kind == "final":
+                return JSONResponse(response(parsed, answer_id, state.model, payload))
+            if kind == "error":
+                return error_response(from_exception(payload))
+            if clock() - asked >= DISCONNECT_POLL_S:
+                asked = clock()
+                if await request.is_disconnected():
+                    abort()
+                    return Response(status_code=499)       # (nobody reads it: the client is gone)
+
+    return app
+
+
+async def events(handle: QueueHandle, chunks: Chunks) -> AsyncIterator[str]:
+    """A streamed request's events, from its first chunk to ``data: [DONE]``."""
+    while True:
+        kind, payload = await handle.queue.get()
+        if kind == "chunk":
+            text = chunks.text(payload)
+            if text:
+                yield text
+        elif kind == "final":
+            yield chunks.final(payload)
+            return
+        else:
+            yield error_event(from_exception(payload))
+            return

@@ -1,0 +1,287 @@
+"""OpenAI request bodies into ssd_trt requests, checked once; results into OpenAI response objects.
+
+Fields taken (``/v1/completions`` and ``/v1/chat/completions``): ``model``, ``prompt`` / ``messages``, ``max_tokens``
+(and ``max_completion_tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or a
+list), ``n`` (1 only), ``stream``, ``stream_options.include_usage``; and as extra body fields (the Triton inputs of the
+same names): ``mode`` (ar | sd | ssd, default ssd), ``draft_len``, ``fan_out_budget``, ``backup``, ``tree_widths``,
+``top_k`` and ``ignore_eos``. What this server does not do (``logprobs``, penalties, ``logit_bias``, tools, ``n`` > 1,
+``echo``, ``suffix``, ``best_of`` > 1, JSON output) is refused with a 400 naming the field rather than silently
+ignored; unknown fields are ignored, as OpenAI's own clients send some.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.settings import DEFAULT_MODE, Settings, parse_mode
+from ssd_trt.requests import encode_chat
+from ssd_trt.serve.core import Final, ServingCore, Submission
+from ssd_trt.serve.openai.errors import ApiError, bad_request
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+ROLES = ("system", "developer", "user", "assistant")
+# fields whose only supported value is their default (None: absent)
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "frequency_penalty": (None, 0),
+               "presence_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+               "tool_choice": (None, "none"), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
+DONE = "data: [DONE]\n\n"                 # the event that ends every stream
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A checked request and how to answer it."""
+    submission: Submission
+    include_usage: bool
+    chat: bool
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer, got {value!r}", name)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise bad_request(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+
+
+def check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad_request(f"n must be 1 (this server returns one choice per request), got {n!r}; send n requests "
+                          f"instead", "n")
+    for name, defaults in UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value is None if default is None else value == default for default in defaults):
+            raise bad_request(f"{name} is not supported by this server (got {value!r}); leave it out", name)
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise bad_request(f"response_format {response_format!r} is not supported; only plain text is",
+                          "response_format")
+
+
+def _settings(body: dict) -> Settings:
+    """The mode and the speculation options the request set (extra body fields, as the Triton inputs)."""
+    mode = body.get("mode", DEFAULT_MODE)
+    if not isinstance(mode, str):
+        raise bad_request(f"mode must be a string (ar, sd or ssd), got {mode!r}", "mode")
+    tree = body.get("tree_widths")
+    if tree is not None and (not isinstance(tree, list) or any(isinstance(w, bool) or not isinstance(w, int)
+                                                               for w in tree)):
+        raise bad_request(f"tree_widths must be a list of integers (children per depth), got {tree!r}", "tree_widths")
+    backup = body.get("backup")
+    if backup is not None and not isinstance(backup, str):
+        raise bad_request(f"backup must be a string (auto, jit or ngram), got {backup!r}", "backup")
+    return parse_mode(mode.strip().lower(), lambda name: f"'{name}'", draft_len=_integer(body, "draft_len"),
+                      fan_out_budget=_integer(body, "fan_out_budget"),
+                      backup=None if backup is None else backup.strip().lower(),
+                      tree_widths=None if tree is None else tuple(tree))
+
+
+def _content(message: dict, index: int) -> str:
+    """A message's text: a string, or a list of text parts (what the OpenAI client sends for multi-part content)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_request(f"messages[{index}].content: only text parts are supported, got a {kind!r} part",
+                                  "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    if content is None and message.get("role") == "assistant":
+        return ""
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts, got {content!r}",
+                      "messages")
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{index}] must be an object with role and content, got {message!r}",
+                              "messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(f"messages[{index}].role {role!r} is not supported; use one of {', '.join(ROLES)}",
+                              "messages")
+        # chat templates know system, not OpenAI's newer name for it
+        out.append({"role": "system" if role == "developer" else role, "content": _content(message, index)})
+    if not any(m["content"].strip() for m in out):
+        raise bad_request("messages hold no text; give at least one message with content", "messages")
+    return out
+
+
+def _prompt_ids(body: dict, core: ServingCore) -> list[int]:
+    """``prompt``: a string, a list of one string, or token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)                    # token ids: checked against the vocabulary by the runtime
+    if isinstance(prompt, list):
+        raise bad_request("prompt must be one string (or one list of token ids); send one prompt per request",
+                          "prompt")
+    if not isinstance(prompt, str):
+        raise bad_request(f"prompt must be a string, got {prompt!r}", "prompt")
+    return core.generator.encode(prompt)
+
+
+def parse(body: Any, core: ServingCore, served: str, chat: bool) -> Parsed:
+    """Check one request completely before anything is queued (a RequestError or ApiError names what is wrong)."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None)
+    check_model(body, served)
+    _refuse_unsupported(body)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise bad_request("stream_options needs stream: true and must be an object ({\"include_usage\": true})",
+                          "stream_options")
+    include_usage = _flag(options or {}, "include_usage")
+    max_tokens = _integer(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    settings = _settings(body)
+    ids = encode_chat(core.generator.tokenizer, _messages(body), "use /v1/completions with a plain prompt") if chat \
+        else _prompt_ids(body, core)
+    top_k = _integer(body, "top_k")
+    temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
+    params = SamplingParams(max_new_tokens=1, temperature=1.0 if temperature is None else temperature,
+                            top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
+                            seed=_integer(body, "seed"), stop_on_eos=not _flag(body, "ignore_eos"), stop=_stop(body))
+    if max_tokens is None:
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if not chat else default_max_tokens(core, ids, params, settings)
+    return Parsed(core.check(ids, replace(params, max_new_tokens=max_tokens), settings, stream), include_usage, chat)
+
+
+def default_max_tokens(core: ServingCore, ids: list[int], params: SamplingParams, settings: Settings) -> int:
+    """The rest of the context after the prompt and the mode's speculation headroom (at least 1: a prompt that
+    leaves nothing is then refused by the runtime's check, which says so)."""
+    headroom = core.generator.resolve(settings, params).settings.headroom
+    return max(1, core.generator.limits.max_context - len(ids) - headroom)
+
+
+# -- responses ---------------------------------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(final: Final) -> dict[str, int]:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+
+def spec_stats(final: Final) -> dict[str, Any]:
+    """The request's own speculation numbers (JSON null where they do not apply, e.g. mode ar)."""
+    def finite(value):
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+    return {key: finite(value) for key, value in final.stats.items()}
+
+
+def response(parsed: Parsed, request_id: str, model: str, final: Final) -> dict[str, Any]:
+    """The whole answer of a request that did not stream."""
+    reason = FINISH_REASON[final.finish_reason]
+    choice = {"index": 0, "message": {"role": "assistant", "content": final.text}} if parsed.chat else \
+        {"index": 0, "text": final.text}
+    return {"id": request_id, "object": "chat.completion" if parsed.chat else "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [{**choice, "logprobs": None, "finish_reason": reason}],
+            "usage": usage(final), "ssd_trt": spec_stats(final)}
+
+
+class Chunks:
+    """A streamed request's server-sent events: ``data: {chunk}`` per piece of text, the finish reason and the
+    request's statistics in the last chunk, the usage in one more chunk when ``stream_options.include_usage``, then
+    ``data: [DONE]``."""
+
+    def __init__(self, parsed: Parsed, request_id: str, model: str) -> None:
+        self.parsed, self.id, self.model = parsed, request_id, model
+        self.created = int(time.time())
+        self.started = False
+
+    def _chunk(self, choices: list[dict], **extra: Any) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **extra}
+        if self.parsed.include_usage and "usage" not in body:
+            body["usage"] = None
+        return event(body)
+
+    def _choice(self, text: str, finish_reason: str | None) -> dict:
+        if not self.parsed.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        delta = {"content": text} if text or not self.started else {}
+        if not self.started:                    # the first delta names the role
+            delta = {"role": "assistant", **delta}
+        self.started = True
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def text(self, text: str) -> str:
+        return self._chunk([self._choice(text, None)]) if text else ""
+
+    def final(self, final: Final) -> str:
+        out = self._chunk([self._choice(final.text, FINISH_REASON[final.finish_reason])], ssd_trt=spec_stats(final))
+        if self.parsed.include_usage:
+            out += self._chunk([], usage=usage(final))
+        return out + DONE
+
+
+def event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def error_event(error: ApiError) -> str:
+    """An error after the stream started (its status is already sent): the error object as an event, then DONE."""
+    return event(error.body()) + DONE
+

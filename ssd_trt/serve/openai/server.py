@@ -1,0 +1,76 @@
+"""Run the OpenAI-compatible server: uvicorn over the app, the build loaded on a thread while it already listens."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ssd_trt.errors import ConfigError
+from ssd_trt.manifest import read_manifest
+from ssd_trt.runtime import Generator, RuntimeOptions
+from ssd_trt.serve.core import ServingCore, warm_up
+
+
+@dataclass
+class ServerOptions:
+    build_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None          # default: the build directory's name
+    max_batch_rows: int = 0                # 0: the engine's max batch
+    max_waiting: int = 1024
+    runtime_options: dict[str, Any] = field(default_factory=dict)
+    verify: bool = True
+    warmup: bool = True
+    log_level: str = "info"
+    access_log: bool = True
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.build_dir).resolve().name
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def load_core(options: ServerOptions) -> ServingCore:
+    """The build loaded (checksums verified), warmed up, and its serving loop started: what the server waits for
+    before /health answers 200."""
+    started = time.perf_counter()
+    runtime = RuntimeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.runtime_options.items()})
+    generator = Generator(options.build_dir, runtime, verify_checksums=options.verify)
+    if options.warmup:
+        warm_up(generator)
+    max_running = options.max_batch_rows or generator.limits.max_batch
+    core = ServingCore(generator, max_running, log, options.max_waiting)
+    log(f"ssd_trt: loaded {options.build_dir} in {time.perf_counter() - started:.1f}s; serving {options.served_name!r} "
+        f"at http://{options.host}:{options.port}/v1 (continuous batching up to {max_running} requests)")
+    return core
+
+
+def serve(options: ServerOptions) -> int:
+    """Serve until SIGINT / SIGTERM; 1 if the build failed to load."""
+    import uvicorn
+
+    from ssd_trt.serve.openai.app import ServerState, create_app
+    limit = read_manifest(Path(options.build_dir)).recipe.engine.max_batch   # a wrong path fails now, not later
+    if not 0 <= options.max_batch_rows <= limit:
+        raise ConfigError(f"--max-batch-rows must be in 1..{limit} (the engine's max batch), got "
+                          f"{options.max_batch_rows}")
+    if options.max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be >= 1, got {options.max_waiting}")
+    failures: list[str] = []
+    state = ServerState(options.served_name, lambda: load_core(options), log)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=options.host, port=options.port,
+                                           log_level=options.log_level, access_log=options.access_log,
+                                           timeout_graceful_shutdown=5))
+
+    def failed(message: str) -> None:
+        failures.append(message)
+        server.should_exit = True
+    state.on_failure = failed
+    server.run()
+    return 1 if failures else 0
