@@ -289,3 +289,20 @@ def test_onnx_runtime_refuses_a_split_target_and_says_why(tp_build):
         assert generator.engine("draft") is not None       # the draft is whole: it runs as before
     manifest = json.loads((tp_build / "manifest.json").read_text())
     assert manifest["validation"]["target"]["ort_graph"].startswith("none: 2 tensor-parallel ranks")
+
+
+@needs_rtx
+def test_the_torch_backend_runs_a_split_build_made_for_tensorrt(tp_build):
+    """What the split GPU recipes say to run until the rank plans have their runtime: `--backend torch` on the same
+    build (the target over 2 ranks from the checkpoint the manifest records); greedy SSD equals its AR."""
+    from ssd_trt.decoding.params import SamplingParams
+    from ssd_trt.runtime import Generator, RuntimeOptions
+    generator = Generator(tp_build, RuntimeOptions(backend="torch"))
+    params = SamplingParams(max_new_tokens=12, stop_on_eos=False)
+    try:
+        ar = generator.generate_ids([[3, 14, 15, 9, 2]], params, mode="ar")[0].token_ids
+        ssd = generator.generate_ids([[3, 14, 15, 9, 2]], params, mode="ssd")[0].token_ids
+        assert len(ar) == 12 and ssd == ar
+        assert type(generator.engine("target")).__name__ == "TensorParallelEngine"
+    finally:
+        generator.engine("target").close()
