@@ -128,29 +128,12 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for frontend, style in zip(FRONTENDS, ("-", "--")):
-        for mode in sorted({s["mode"] for s in result.get(frontend, [])}):
-            sweep = [s for s in result[frontend] if s["mode"] == mode]
-            for ax, key in zip(axes, ("throughput_tok_s", "latency_p99_s")):
-                ax.plot([s["concurrency"] for s in sweep], [s[key] for s in sweep], style, marker="o",
-                        label=f"{frontend} {mode}")
-    for ax, what in zip(axes, ("throughput (tok/s)", "p99 latency (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streaming clients")
-        ax.set_ylabel(what)
-        ax.legend(fontsize=8)
-    fig.suptitle("OpenAI server vs Triton, one serving loop (continuous batching)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    from ssd_trt.serve.triton.load_bench import plot_sweeps
+    lines = [(f"{frontend} {mode}", style, [s for s in result[frontend] if s["mode"] == mode])
+             for frontend, style in zip(FRONTENDS, ("-", "--"))
+             for mode in sorted({s["mode"] for s in result.get(frontend, [])})]
+    return plot_sweeps(lines, path, "concurrent streaming clients",
+                       "OpenAI server vs Triton, one serving loop (continuous batching)", legend_size=8)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,6 +148,14 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:
+    lines = [(mode, "-", [s for s in result["sweep"] if s["mode"] == mode]) for mode in MODES]
+    return plot_sweeps(lines, path, "concurrent clients", "Triton, continuous batching: one model instance, 2 CPU cores")
+
+
+def plot_sweeps(lines: list[tuple[str, str, list[dict[str, Any]]]], path: Path, clients: str, title: str,
+                legend_size: float | None = None) -> Path | None:
+    """Throughput and p99 latency by concurrency, one line per (label, line style, sweep points); the serving load
+    benches' figure (None without matplotlib, an optional extra)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -155,18 +163,15 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for mode in MODES:
-        points = [s for s in result["sweep"] if s["mode"] == mode]
-        axes[0].plot([s["concurrency"] for s in points], [s["throughput_tok_s"] for s in points], marker="o",
-                     label=mode)
-        axes[1].plot([s["concurrency"] for s in points], [s["latency_p99_s"] for s in points], marker="o",
-                     label=mode)
+    for label, style, points in lines:
+        for ax, key in zip(axes, ("throughput_tok_s", "latency_p99_s")):
+            ax.plot([s["concurrency"] for s in points], [s[key] for s in points], style, marker="o", label=label)
     for ax, what in zip(axes, ("throughput (tok/s)", "p99 latency (s)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
+        ax.set_xlabel(clients)
         ax.set_ylabel(what)
-        ax.legend()
-    fig.suptitle("Triton, continuous batching: one model instance, 2 CPU cores")
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
