@@ -370,3 +370,19 @@ def test_closing_the_engine_stops_every_rank(gen):
     assert len(pids) == 2 and all(alive(pid) for pid in pids)
     engine.close()
     assert not any(alive(pid) for pid in pids) and engine.rank_pids == []
+
+
+def test_the_gpu_tensor_parallel_bench_runs_its_code_path_on_cpu_ranks(tmp_path):
+    """research/gpu/tp_bench.py (what scripts/gpu_session.sh runs on a host with N + 1 GPUs), on a tiny model over
+    2 gloo ranks: its split build's SD and SSD equal its AR, and the report says where each model ran."""
+    report = tmp_path / "tp.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "research" / "gpu" / "tp_bench.py"), "--device", "cpu",
+                           "--smoke", "--prompts", "2", "--json", str(report)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(report.read_text())
+    assert result["tensor_parallel"] == 2 and list(result["builds"]) == ["tp2"]
+    split = result["builds"]["tp2"]
+    assert split["target_engine"] == "TensorParallelEngine" and split["draft_device"] == "cpu"
+    assert split["sd"]["equals_ar"] and split["ssd"]["equals_ar"] and split["ar"]["tokens_per_s"] > 0

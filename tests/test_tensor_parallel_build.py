@@ -6,7 +6,8 @@ when there are fewer than ranks, while one rank's graph alone does not (which is
 tensor_parallel that does not divide the heads, or a recipe that could not run a split target, fails before any weight
 is read, exit status 2. With TensorRT for RTX (CI installs it): a GQA model built at tensor_parallel 2 gets one plan per
 rank, each with two native all-reduce layers per decoder layer (counted in the parsed network and in the plan), all
-recorded in the manifest; a missing or corrupt rank file is refused at load. Running the plans needs a GPU per rank.
+recorded in the manifest; a missing or corrupt rank file is refused at load. Running the plans needs a GPU per rank:
+here their checks, and the rank path up to the NCCL communicator (which CPU ranks refuse, saying why).
 """
 from __future__ import annotations
 
@@ -293,8 +294,8 @@ def test_onnx_runtime_refuses_a_split_target_and_says_why(tp_build):
 
 @needs_rtx
 def test_the_torch_backend_runs_a_split_build_made_for_tensorrt(tp_build):
-    """What the split GPU recipes say to run until the rank plans have their runtime: `--backend torch` on the same
-    build (the target over 2 ranks from the checkpoint the manifest records); greedy SSD equals its AR."""
+    """The split GPU recipes' alternative to the rank plans: `--backend torch` on the same build (the target over 2
+    ranks from the checkpoint the manifest records); greedy SSD equals its AR."""
     from ssd_trt.decoding.params import SamplingParams
     from ssd_trt.runtime import Generator, RuntimeOptions
     generator = Generator(tp_build, RuntimeOptions(backend="torch"))
@@ -306,3 +307,90 @@ def test_the_torch_backend_runs_a_split_build_made_for_tensorrt(tp_build):
         assert type(generator.engine("target")).__name__ == "TensorParallelEngine"
     finally:
         generator.engine("target").close()
+
+
+# ---- the rank plans' runtime: one TensorRT engine per GPU, joined by an NCCL communicator -------------------------
+
+@needs_rtx
+def test_the_rank_plans_are_checked_together_before_any_is_loaded(tp_build):
+    """One plan per rank, each with its all-reduce layers and kernels for the GPU: else refused, saying which rank."""
+    from ssd_trt.engines.plans import check_rank_plans
+    from ssd_trt.manifest import read_manifest
+    manifest = read_manifest(tp_build)
+    assert [p.rank for p in check_rank_plans(tp_build, manifest, "target", "rtx", "sm89")] == [0, 1]
+    with pytest.raises(ArtifactError, match=r"rank 0 \(of 2\)'s TensorRT plan .* has kernels for sm89, not for this "
+                                            r"GPU \(sm90\) \(TensorRT for RTX 1.7 builds no sm90 kernels"):
+        check_rank_plans(tp_build, manifest, "target", "rtx", "sm90")
+    plans = manifest.tensorrt.plans
+    one_rank = manifest.model_copy(update={"tensorrt": manifest.tensorrt.model_copy(
+        update={"plans": [p for p in plans if p.rank != 1]})})
+    with pytest.raises(ArtifactError, match=r"splits the target over 2 ranks but has rtx TensorRT plans for rank \[0\]"
+                                            r".*; rebuild with `python -m ssd_trt.build"):
+        check_rank_plans(tp_build, one_rank, "target", "rtx", None)
+    short = manifest.model_copy(update={"tensorrt": manifest.tensorrt.model_copy(update={"plans": [
+        p.model_copy(update={"collective_layers": 2 * LAYERS - 1}) if p.rank == 1 else p for p in plans]})})
+    with pytest.raises(ArtifactError, match=rf"plan of target rank 1 .* has {2 * LAYERS - 1} all-reduce layers, its "
+                                            rf"{LAYERS} decoder layers need {2 * LAYERS}"):
+        check_rank_plans(tp_build, short, "target", "rtx", None)
+
+
+@needs_rtx
+def test_asking_for_the_rank_plans_without_gpus_says_why_they_cannot_run(tp_build):
+    from ssd_trt.runtime import Generator, RuntimeOptions
+    generator = Generator(tp_build, RuntimeOptions(backend="trt"))
+    with pytest.raises(ArtifactError, match=r"splits the target over 2 tensor-parallel ranks .*its TensorRT rank plans "
+                                            r"cannot run here: rtx: .*RuntimeOptions\(backend='torch'\)"):
+        generator.engine("target")
+
+
+def test_a_communicator_is_handed_over_as_a_capsule_of_its_pointer():
+    import ctypes
+
+    from ssd_trt.engines.communicator import pointer_capsule
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+    assert get(pointer_capsule(0x7F00DEADBEE0), None) == 0x7F00DEADBEE0
+    with pytest.raises(ValueError, match="null NCCL communicator"):
+        pointer_capsule(0)
+
+
+def test_rank_plans_on_ranks_without_nccl_fail_to_start_with_the_reason(tmp_path):
+    """The trt rank path up to the communicator, on CPU ranks (gloo): both ranks refuse at once, naming what is
+    needed, and none is left running."""
+    from ssd_trt.engines.base import EngineSpec
+    from ssd_trt.engines.limits import EngineLimits
+    from ssd_trt.engines.rank_worker import RankLaunch
+    from ssd_trt.engines.tensor_parallel import TensorParallelEngine
+    from ssd_trt.errors import EngineError
+    spec = EngineSpec("target", 256, 2, 2, 16, 2, 64)
+    launch = RankLaunch(checkpoint="", dtype="float32", limits=EngineLimits(max_batch=2, max_context=64), ranks=2,
+                        on_gpu=False, kernel="", use_cuda_graphs=False, collective_timeout_s=60, backend="trt",
+                        plans=(str(tmp_path / "r0.plan"), str(tmp_path / "r1.plan")), edition="rtx", rank_spec=spec)
+    with pytest.raises(EngineError, match=r"rank \d of 2 failed to start: RuntimeError: the ranks' process group runs "
+                                          r"ProcessGroupGloo, which has no NCCL communicator .* need the NCCL backend"):
+        TensorParallelEngine(spec, launch, start_timeout_s=120)
+    import multiprocessing
+    assert not [child for child in multiprocessing.active_children() if child.name.startswith("ssd-target-rank")]
+
+
+@pytest.mark.gpu
+@pytest.mark.trt
+def test_the_rank_plans_over_nccl_give_the_torch_ranks_tokens(tp_build):
+    """Three GPUs with kernels for the plans (sm89): the target's two rank plans on GPUs 0 and 1, the draft on GPU 2;
+    greedy AR and SSD on them token-identical to the torch backend's ranks on the same build."""
+    torch_ok = torch.cuda.is_available() and torch.cuda.device_count() >= 3
+    if not torch_ok or "sm{}{}".format(*torch.cuda.get_device_capability(0)) != "sm89":
+        pytest.skip("needs 3 GPUs of compute capability sm89 (the test build's plans) and TensorRT for RTX")
+    from ssd_trt.decoding.params import SamplingParams
+    from ssd_trt.runtime import Generator, RuntimeOptions
+    prompts = [[3, 14, 15, 9, 2], [27, 18, 28], [1, 2, 3, 4, 5, 6, 7]]
+    params = SamplingParams(max_new_tokens=12, stop_on_eos=False)
+    reference = Generator(tp_build, RuntimeOptions(backend="torch"))
+    expected = [r.token_ids for r in reference.generate_ids(prompts, params, mode="ar")]
+    reference.engine("target").close()
+    plans = Generator(tp_build, RuntimeOptions(backend="trt"))
+    try:
+        for mode in ("ar", "ssd"):
+            assert [r.token_ids for r in plans.generate_ids(prompts, params, mode=mode)] == expected, mode
+    finally:
+        plans.engine("target").close()

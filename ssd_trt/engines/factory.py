@@ -1,7 +1,8 @@
 """Opening engines: one factory turns (build, role, placement) into an :class:`~ssd_trt.engines.base.Engine`.
 
 Backends: ``ort`` (ONNX Runtime, CPU: the embedded default), ``trt`` (the build's TensorRT plans, on a GPU:
-data-centre TensorRT or TensorRT for RTX, whichever plan can run here, checked by ``plans.check_plan``)
+data-centre TensorRT or TensorRT for RTX, whichever plan can run here, checked by ``plans.check_plan``; a target split
+over tensor-parallel ranks: its rank plans, one GPU each, ``engines/tensor_parallel.py``)
 and ``torch`` (the torch decoder with the Triton tree-attention kernel and CUDA graphs, on a GPU without
 TensorRT; weights reloaded from the sources the manifest records and checked against their sha256).
 The draft is wrapped in its copy component when its config carries one (``copy_mixture.py``), and a feature
@@ -16,7 +17,7 @@ import numpy as np
 from ssd_trt.engines.base import Engine, EngineSpec
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine
 from ssd_trt.engines.placement import ModelPlacement
-from ssd_trt.errors import ArtifactError, SsdTrtError
+from ssd_trt.errors import ArtifactError, ConfigError, SsdTrtError
 from ssd_trt.manifest import Manifest
 
 
@@ -65,14 +66,7 @@ class EngineSet:
                                 "RuntimeOptions(backend='torch') (the default), or rebuild with engine.backend: auto")
         split = self.manifest.tensor_parallel
         if split is not None and role == split.role and self.wanted != "torch":
-            raise ArtifactError(
-                f"{self.root} splits the {role} over {split.num_ranks} tensor-parallel ranks (engine.tensor_parallel: "
-                f"{split.num_ranks}): each rank's step graph ends its attention and MLP with partial sums that only "
-                "the all-reduce layers of its TensorRT plan complete. ONNX Runtime has no all-reduce, so it cannot run "
-                "the rank graphs (run alone, each would pass its partial sums on as whole), and the rank plans run "
-                "only as one engine per GPU joined by an NCCL communicator, which this runtime does not drive yet. "
-                "The torch backend runs a split target from its checkpoint (RuntimeOptions(backend='torch')); or "
-                f"rebuild with engine.tensor_parallel: 1 to run the {role} on ONNX Runtime or one GPU")
+            return self._split_backend(role, split.num_ranks)
         if self.wanted in ("torch", "ort"):
             return self.wanted
         if role not in self.editions:
@@ -83,24 +77,49 @@ class EngineSet:
             return "ort"
         return "trt"
 
-    def _runnable_plan(self, role: str) -> tuple[str | None, str]:
-        """(edition, "") of the first of the role's plans that can run here, else (None, why not)."""
-        from ssd_trt.engines.plans import check_plan
+    def _split_backend(self, role: str, ranks: int) -> str:
+        """``trt`` for a role split over tensor-parallel ranks when its rank plans can run here (``ranks`` GPUs for
+        them and one more for the draft); the torch backend only when asked (it reloads the checkpoint); never
+        ONNX Runtime, which has no all-reduce (each rank graph alone passes its partial sums on as whole)."""
+        why_not = ("ONNX Runtime has no all-reduce, so it cannot run the rank graphs (run alone, each would pass its "
+                   "partial sums on as whole)")
+        if self.wanted != "ort":
+            if role not in self.editions:
+                self.editions[role] = self._runnable_plan(role, ranks)
+            if self.editions[role][0] is not None:
+                return "trt"
+            why_not += f"; its TensorRT rank plans cannot run here: {self.editions[role][1]}"
+        raise ArtifactError(
+            f"{self.root} splits the {role} over {ranks} tensor-parallel ranks (engine.tensor_parallel: {ranks}): "
+            "each rank's step graph ends its attention and MLP with partial sums that only the all-reduce layers of "
+            f"its TensorRT plan complete, running one engine per GPU joined by an NCCL communicator. {why_not}. The "
+            "torch backend runs a split target from its checkpoint (RuntimeOptions(backend='torch'), `--backend "
+            f"torch`); or rebuild with engine.tensor_parallel: 1 to run the {role} on ONNX Runtime or one GPU")
+
+    def _runnable_plan(self, role: str, ranks: int = 1) -> tuple[str | None, str]:
+        """(edition, "") of the first of the role's plans that can run here, else (None, why not); a role split
+        over ``ranks`` > 1 needs every rank's plan, and ``ranks`` + 1 GPUs (the draft takes GPU ``ranks``)."""
+        from ssd_trt.engines.plans import check_plan, check_rank_plans
         built = self.manifest.tensorrt
         reasons = []
-        for plan in (p for p in built.plans if p.role == role):
-            usable, reason, capability = self._runtime(plan.edition)
+        for edition in dict.fromkeys(p.edition for p in built.plans if p.role == role):
+            usable, reason, capability = self._runtime(edition)
             if not usable:
-                reasons.append(f"{plan.edition}: {reason}")
+                reasons.append(f"{edition}: {reason}")
                 continue
             try:
-                check_plan(self.root, self.manifest, role, plan.edition, capability)
-            except ArtifactError as error:
+                if ranks > 1:
+                    check_rank_plans(self.root, self.manifest, role, edition, capability)
+                    from ssd_trt.engines.tensor_parallel import check_ranks_fit
+                    check_ranks_fit(self.manifest, on_gpu=True)
+                else:
+                    check_plan(self.root, self.manifest, role, edition, capability)
+            except (ArtifactError, ConfigError) as error:
                 if self.wanted == "trt":
                     raise
                 reasons.append(str(error))
                 continue
-            return plan.edition, ""
+            return edition, ""
         return None, "; ".join(reasons) or f"the build has no TensorRT plans ({built.status}: {built.reason})"
 
     def _runtime(self, edition: str) -> tuple[bool, str, str | None]:
@@ -159,11 +178,15 @@ def _backend_engine(root: Path, manifest: Manifest, role: str, placement: ModelP
         return _torch_engine(manifest, role, rank_timeout_s)
     if backend == "trt":
         from ssd_trt.engines.tensorrt import TensorRTEngine
+        split = manifest.tensor_parallel
+        if split is not None and split.role == role:
+            from ssd_trt.engines.tensor_parallel import open_split_plans
+            return open_split_plans(manifest, spec, root, edition or "datacenter", rank_timeout_s)
         plan = manifest.tensorrt.plan(role, edition or "datacenter")
         if plan is None:
             raise ArtifactError(f"the build in {root} has no {edition or 'datacenter'} TensorRT plan for the {role}; "
                                 f"{manifest.rebuild_hint}")
-        return TensorRTEngine(Path(root) / plan.path, spec, name=role, placement=_gpu_placement(role),
+        return TensorRTEngine(Path(root) / plan.path, spec, name=role, placement=_gpu_placement(manifest, role),
                               edition=plan.edition)
     from ssd_trt.engines.ort import OrtEngine
     return OrtEngine(Path(root) / role / "model.ort.onnx", spec, placement.threads, placement.cores,
@@ -188,7 +211,6 @@ def _torch_engine(manifest: Manifest, role: str, rank_timeout_s: float = 30.0) -
     draft whole on GPU N)."""
     import torch
 
-    from ssd_trt.engines.device_step import Placement
     from ssd_trt.engines.torch_device import TorchDeviceEngine
     from ssd_trt.models.sources import resolve_source, source_fingerprint
 
@@ -216,9 +238,8 @@ def _torch_engine(manifest: Manifest, role: str, rank_timeout_s: float = 30.0) -
         kernel = "reference" if ranks > 1 else "triton"
         return TorchDeviceEngine(model, manifest.recipe.engine.limits, name=role, device="cpu", dtype=dtype,
                                  kernel=kernel)
-    placement = Placement(device=ranks) if ranks > 1 else _gpu_placement(role)    # ranks hold GPUs 0 .. N-1
     return TorchDeviceEngine(model, manifest.recipe.engine.limits, name=role, device="cuda", dtype=dtype,
-                             placement=placement)
+                             placement=_gpu_placement(manifest, role))
 
 
 def _reload(manifest: Manifest, role: str, source, dtype):
@@ -238,10 +259,14 @@ def _reload(manifest: Manifest, role: str, source, dtype):
     return with_target_features(target, layers)
 
 
-def _gpu_placement(role: str):
-    """The role's device and stream priority (``place_draft_and_target``: two GPUs, or two streams)."""
+def _gpu_placement(manifest: Manifest, role: str):
+    """The role's device and stream priority: beside a target split over N ranks (GPUs 0 .. N-1) the draft has GPU N
+    to itself; else ``place_draft_and_target`` (two GPUs, or two streams of one)."""
     import torch
 
-    from ssd_trt.engines.device_step import place_draft_and_target
+    from ssd_trt.engines.device_step import Placement, place_draft_and_target
+    ranks = manifest.recipe.engine.tensor_parallel
+    if ranks > 1 and role == "draft":
+        return Placement(device=ranks)
     draft_place, target_place = place_draft_and_target(torch.cuda.device_count())
     return target_place if role == "target" else draft_place

@@ -1,5 +1,6 @@
-"""One rank of a tensor-parallel target, in its own process: claim a device, join the process group, load the rank's
-shard, then run the engine calls the parent sends over a pipe (``engines/tensor_parallel.py``).
+"""One rank of a tensor-parallel target, in its own process: claim a device, join the process group, open the rank's
+engine (its shard of the checkpoint on the torch backend, or its TensorRT plan with the ranks' NCCL communicator), then
+run the engine calls the parent sends over a pipe (``engines/tensor_parallel.py``).
 
 Every rank runs every call, in the same order, with the same arguments (the ranks' steps meet in their all-reduces);
 rank 0 answers with the call's result, the others with an acknowledgement only (the logits are replicated on every
@@ -23,7 +24,9 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Literal
 
+from ssd_trt.engines.base import EngineSpec
 from ssd_trt.engines.limits import EngineLimits
 
 CALLS = ("reset", "forward", "rollback", "select_rows", "keep")
@@ -31,8 +34,14 @@ CALLS = ("reset", "forward", "rollback", "select_rows", "keep")
 
 @dataclass(frozen=True, slots=True)
 class RankLaunch:
-    """What every rank needs to open its part of the target: the HF checkpoint, the dtype, the engine limits, the
-    number of ranks, the rendezvous (a TCPStore the parent serves on 127.0.0.1), and how to run the step."""
+    """What every rank needs to open its part of the target: the engine limits, the number of ranks, the rendezvous
+    (a TCPStore the parent serves on 127.0.0.1), and what each rank runs:
+
+    * ``backend="torch"``: the HF ``checkpoint`` in ``dtype``, each rank reading its Megatron shard, the step on
+      ``kernel`` (CPU or GPU);
+    * ``backend="trt"``: ``plans[r]``, rank r's TensorRT plan of ``edition`` (built with its all-reduce layers), whose
+      step ``rank_spec`` describes (a rank's share of the key/value heads), on GPU r.
+    """
     checkpoint: str
     dtype: str                  # torch dtype name: float32 | float16 | bfloat16
     limits: EngineLimits
@@ -42,6 +51,10 @@ class RankLaunch:
     use_cuda_graphs: bool
     collective_timeout_s: float
     store_port: int = 0         # the parent's TCPStore, a new one at each start of the ranks
+    backend: Literal["torch", "trt"] = "torch"
+    plans: tuple[str, ...] = ()
+    edition: str = "datacenter"
+    rank_spec: EngineSpec | None = None
 
 
 def rank_main(rank: int, launch: RankLaunch, conn: Connection, parent_pid: int) -> None:
@@ -53,7 +66,11 @@ def rank_main(rank: int, launch: RankLaunch, conn: Connection, parent_pid: int) 
         _send(conn, ("error", exc, None))
         raise SystemExit(1)
     conn.send(("ready", os.getpid()))
-    _serve(engine, rank, conn)
+    closing = _serve(engine, rank, conn)
+    del engine          # a rank plan's contexts hold the communicator: they go before the process group frees it
+    if closing:         # every rank is asked at once: leave the process group together
+        import torch.distributed as dist
+        dist.destroy_process_group()
 
 
 def _open(rank: int, launch: RankLaunch):
@@ -62,8 +79,6 @@ def _open(rank: int, launch: RankLaunch):
     import torch.distributed as dist
 
     from ssd_trt.engines.device_step import Placement
-    from ssd_trt.engines.torch_device import TorchDeviceEngine
-    from ssd_trt.models.rank_decoder import load_rank_decoder
 
     if launch.on_gpu:
         device = torch.device("cuda", rank)      # rank r owns GPU r (the draft gets GPU N: engines/factory.py)
@@ -76,12 +91,23 @@ def _open(rank: int, launch: RankLaunch):
     store = dist.TCPStore("127.0.0.1", launch.store_port, is_master=False,
                           timeout=timedelta(seconds=launch.collective_timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=launch.ranks,
-                            timeout=timedelta(seconds=launch.collective_timeout_s))
+                            timeout=timedelta(seconds=launch.collective_timeout_s),
+                            **({"device_id": device} if launch.on_gpu else {}))   # NCCL: the communicator at once
+    placement = Placement(device=rank if launch.on_gpu else 0)
+    if launch.backend == "trt":
+        from ssd_trt.engines.communicator import nccl_communicator
+        from ssd_trt.engines.tensorrt import TensorRTEngine
+        # eager steps: the all-reduce layers have not been checked inside captured CUDA graphs
+        return TensorRTEngine(launch.plans[rank], launch.rank_spec, name=f"target rank {rank}", placement=placement,
+                              use_cuda_graphs=False, edition=launch.edition,
+                              communicator=nccl_communicator(dist.group.WORLD, device))
+
+    from ssd_trt.engines.torch_device import TorchDeviceEngine
+    from ssd_trt.models.rank_decoder import load_rank_decoder
     dtype = getattr(torch, launch.dtype)
     model = load_rank_decoder(launch.checkpoint, rank, launch.ranks, dtype, reduce=dist.all_reduce)
     return TorchDeviceEngine(model, launch.limits, name=f"target rank {rank}", device=device, dtype=dtype,
-                             placement=Placement(device=rank if launch.on_gpu else 0),
-                             use_cuda_graphs=launch.use_cuda_graphs, kernel=launch.kernel)
+                             placement=placement, use_cuda_graphs=launch.use_cuda_graphs, kernel=launch.kernel)
 
 
 def _pin_to_core(rank: int) -> None:
@@ -99,17 +125,15 @@ def _pin_to_core(rank: int) -> None:
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def _serve(engine, rank: int, conn: Connection) -> None:
-    """Run the parent's calls until it closes the pipe or says close."""
+def _serve(engine, rank: int, conn: Connection) -> bool:
+    """Run the parent's calls until it closes the pipe (False) or says close (True)."""
     while True:
         try:
             method, args = conn.recv()
         except (EOFError, OSError):          # the parent is gone
-            return
-        if method == "close":          # every rank is asked at once: leave the process group together
-            import torch.distributed as dist
-            dist.destroy_process_group()
-            return
+            return False
+        if method == "close":
+            return True
         try:
             if method not in CALLS:
                 raise ValueError(f"rank {rank}: unknown engine call {method!r}")

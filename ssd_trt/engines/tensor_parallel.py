@@ -1,5 +1,7 @@
-"""A tensor-parallel target behind the engine interface: N rank processes, each running its shard of the target
-(``models/rank_decoder.py``) in a :class:`~ssd_trt.engines.torch_device.TorchDeviceEngine`, driven in lockstep.
+"""A tensor-parallel target behind the engine interface: N rank processes driven in lockstep, each running its share
+of the target: its shard of the checkpoint (``models/rank_decoder.py``) in a
+:class:`~ssd_trt.engines.torch_device.TorchDeviceEngine` (torch backend), or its TensorRT plan, whose all-reduce layers
+run over the ranks' NCCL communicator, in a :class:`~ssd_trt.engines.tensorrt.TensorRTEngine` (trt backend).
 
 Every engine call goes to every rank (``engines/rank_worker.py``); the ranks' steps meet in their all-reduces (NCCL
 on GPUs, rank r on GPU r; gloo on CPU, rank r on one core); rank 0's answer is the call's. What the parent holds is a
@@ -329,4 +331,19 @@ def open_split_target(manifest: Manifest, spec: EngineSpec, checkpoint: Path, on
                         limits=manifest.recipe.engine.limits, ranks=manifest.recipe.engine.tensor_parallel,
                         on_gpu=on_gpu, kernel="triton" if on_gpu else "reference", use_cuda_graphs=False,
                         collective_timeout_s=START_TIMEOUT_S)
+    return TensorParallelEngine(spec, launch, step_timeout_s=step_timeout_s)
+
+
+def open_split_plans(manifest: Manifest, spec: EngineSpec, root: Path, edition: str,
+                     step_timeout_s: float = STEP_TIMEOUT_S) -> TensorParallelEngine:
+    """The build's target over its rank plans of ``edition``, which the caller has checked (``plans.check_rank_plans``,
+    ``check_ranks_fit``): rank r's plan on GPU r with the ranks' NCCL communicator. A rank's step holds its share of
+    the key/value heads (``rank_spec``); the logits rank 0 returns are whole. Eager steps, as on the torch backend."""
+    split = manifest.tensor_parallel
+    plans = manifest.tensorrt.rank_plans("target", edition)
+    launch = RankLaunch(checkpoint="", dtype=manifest.recipe.target.dtype, limits=manifest.recipe.engine.limits,
+                        ranks=split.num_ranks, on_gpu=True, kernel="", use_cuda_graphs=False,
+                        collective_timeout_s=START_TIMEOUT_S, backend="trt",
+                        plans=tuple(str(Path(root) / plan.path) for plan in plans), edition=edition,
+                        rank_spec=replace(spec, num_kv_heads=split.kv_heads_per_rank))
     return TensorParallelEngine(spec, launch, step_timeout_s=step_timeout_s)

@@ -16,6 +16,7 @@ probe (``availability.py``) and raises RuntimeError with its reason when TensorR
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,10 +64,14 @@ class TensorRTEngine(DeviceStepEngine):
     """One model's TensorRT engine; caches and CUDA graphs as in :class:`DeviceStepEngine`."""
 
     def __init__(self, engine_path: Path | str, spec: EngineSpec | None = None, *, name: str | None = None,
-                 placement: Placement = Placement(), use_cuda_graphs: bool = True, edition: str = "datacenter") -> None:
+                 placement: Placement = Placement(), use_cuda_graphs: bool = True, edition: str = "datacenter",
+                 communicator: Any = None) -> None:
         """Load ``engine_path`` onto ``placement`` with ``edition``'s TensorRT (``trt/editions.py``). ``spec``
         (e.g. from the manifest) is checked against the engine; without it the spec is read from the engine's
-        bindings and profiles. Callers check the plan first (``plans.check_plan``)."""
+        bindings and profiles. Callers check the plan first (``plans.check_plan``). ``communicator``: a
+        tensor-parallel rank plan's NCCL communicator (``engines/communicator.py``), handed to every execution
+        context before its first step; every rank creates its contexts in the same order, as each hand-over waits
+        for all ranks."""
         if edition == "rtx":
             probe = probe_tensorrt_rtx()
             available, reason = probe["run"], probe["reason"]
@@ -100,7 +105,7 @@ class TensorRTEngine(DeviceStepEngine):
                          stream_priority=placement.stream_priority, use_cuda_graphs=use_cuda_graphs,
                          extras=layout_extras(self.layout))
         with torch.cuda.device(device):
-            self._contexts = self._make_contexts()
+            self._contexts = self._make_contexts(communicator)
 
     # -- setup ---------------------------------------------------------------------------------------
     def _read_profiles(self) -> tuple[Profile, ...]:
@@ -111,7 +116,7 @@ class TensorRTEngine(DeviceStepEngine):
             profiles.append(Profile(f"profile{index}", (low[0], opt[0], high[0]), (low[1], opt[1], high[1])))
         return tuple(profiles)
 
-    def _make_contexts(self) -> list:
+    def _make_contexts(self, communicator: Any = None) -> list:
         trt, engine = self._trt, self._engine
         if hasattr(engine, "get_device_memory_size_for_profile_v2"):  # newer TensorRT: per-profile sizes
             sizes = [engine.get_device_memory_size_for_profile_v2(i) for i in range(engine.num_optimization_profiles)]
@@ -126,6 +131,9 @@ class TensorRTEngine(DeviceStepEngine):
             else:
                 context.device_memory = self._scratch.data_ptr()
             context.set_optimization_profile_async(index, self._stream.cuda_stream)
+            if communicator is not None and not context.set_communicator(communicator):
+                raise RuntimeError(f"TensorRT refused the ranks' NCCL communicator for profile {index} of "
+                                   f"{self.spec.name} (see the TensorRT log)")
             contexts.append(context)
         self._stream.synchronize()
         return contexts
