@@ -7,7 +7,7 @@ application creates and hands to every execution context (``IExecutionContext.se
 The ranks already form a ``torch.distributed`` NCCL process group (rendezvous, the same one the torch backend's ranks
 use); its communicator is created eagerly (``init_process_group(device_id=...)``, then one all-reduce so that it
 exists on every rank) and its pointer read from the process group's NCCL backend (``_comm_ptr()``, in torch's
-ProcessGroupNCCL since 2.6). Sharing it is safe here because nothing else issues collectives on it: after start-up
+ProcessGroupNCCL, e.g. 2.9). Sharing it is safe here because nothing else issues collectives on it: after start-up
 every collective of a rank is one of its plan's, enqueued on the engine's stream in the same order on every rank.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ def nccl_communicator(group: Any, device: Any) -> Any:
     pointer_of = getattr(backend, "_comm_ptr", None)
     if pointer_of is None:
         raise RuntimeError(f"the ranks' process group runs {type(backend).__name__}, which has no NCCL communicator to "
-                           "hand to TensorRT: TensorRT rank plans need the NCCL backend (GPUs) and torch >= 2.6 "
-                           f"(ProcessGroupNCCL._comm_ptr); this is torch {torch.__version__}")
+                           "hand to TensorRT: TensorRT rank plans need the NCCL backend (GPUs) and a torch whose "
+                           f"ProcessGroupNCCL has _comm_ptr (2.9 does); this is torch {torch.__version__}")
     dist.all_reduce(torch.zeros(1, device=device), group=group)   # the communicator exists on every rank past here
     torch.cuda.synchronize(device)
     return pointer_capsule(int(pointer_of()))
