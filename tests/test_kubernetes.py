@@ -254,7 +254,7 @@ def test_pods_run_non_root_with_shared_memory_and_the_build_mounted_read_only(re
     (build_mount, build_volume) = mounts[str(build.parent)]
     assert build_mount["readOnly"] and build_volume["persistentVolumeClaim"]["readOnly"]
     recipe = recipe_named(build.name)
-    if (recipe.get("engine") or {}).get("tensor_parallel", 1) > 1:   # the torch backend reads the checkpoints
+    if (recipe.get("engine") or {}).get("tensor_parallel", 1) > 1:   # its fallback, the torch backend, reads them
         for role in ("target", "draft"):
             source = PurePosixPath(recipe[role]["source"])
             assert any(source.is_relative_to(path) for path in mounts), f"{target}: {source} is not mounted"
