@@ -26,7 +26,7 @@ def check_plan(root: Path, manifest: Manifest, role: str, edition: str, device_c
     if plan is None:
         raise ArtifactError(f"the build in {root} has no {edition} TensorRT plan for the {role} "
                             f"({manifest.tensorrt.status}: {manifest.tensorrt.reason}); {manifest.rebuild_hint}")
-    _check_entry(root, manifest, plan, EDITIONS[edition].plan_file, device_capability)
+    _check_entry(root, manifest, plan, device_capability)
     return plan
 
 
@@ -54,17 +54,17 @@ def check_rank_plans(root: Path, manifest: Manifest, role: str, edition: str,
             raise ArtifactError(f"the {edition} plan of {role} rank {plan.rank} ({plan.path}) has "
                                 f"{plan.collective_layers} all-reduce layers, its {layers} decoder layers need "
                                 f"{2 * layers} (one after the attention output, one after the MLP); {fix}")
-        _check_entry(root, manifest, plan, EDITIONS[edition].plan_file, device_capability,
+        _check_entry(root, manifest, plan, device_capability,
                      f"tensor-parallel rank {plan.rank} (of {split.num_ranks})'s TensorRT plan")
     return plans
 
 
-def _check_entry(root: Path, manifest: Manifest, plan: PlanEntry, plan_file: str, device_capability: str | None,
+def _check_entry(root: Path, manifest: Manifest, plan: PlanEntry, device_capability: str | None,
                  what: str = "TensorRT plan") -> None:
     """One plan's file (name, size, sha256), recipe fingerprint and GPU against the manifest."""
     fix, edition = manifest.rebuild_hint, plan.edition
     path = Path(root) / plan.path
-    if Path(plan.path).name != plan_file:
+    if Path(plan.path).name != EDITIONS[edition].plan_file:
         raise ArtifactError(f"the manifest's {edition} plan for the {plan.role} points at {plan.path}; {fix}")
     verify_file(path, plan.bytes, plan.sha256, fix, what=what)
     if plan.recipe_sha256 != recipe_fingerprint(manifest.recipe):
