@@ -3,12 +3,12 @@
 The traced graph computes ``x @ <module>.weight_t`` for every linear layer (``models/decoder.py``,
 ``TransposedLinear``). Here each such weight with quantized blocks (``models/gguf_blocks.py``) becomes
 
-    DequantizeLinear(q: INT4 or INT8 [K, N], scale [K/32, N], axis=0, block_size=32) -> MatMul
+    DequantizeLinear(q: INT4 or INT8 [K, N], scale [K/B, N], axis=0, block_size=B) -> MatMul
 
-the pattern ONNX Runtime's CPU provider fuses into one ``MatMulNBits`` node and TensorRT reads as
-weight-only INT4/INT8 (symmetric: zero point 0). Q4_1's minimum rides along exactly as a second, small
-MatMul of the 32-wide block sums of x: x W = x DQ(q - 8, d) + blocksums32(x) M' (see gguf_blocks.py).
-Nothing is re-quantized: the integers and scales are the file's.
+(B = 32, or 16 for Q6_K) the pattern ONNX Runtime's CPU provider fuses into one ``MatMulNBits`` node and
+TensorRT reads as weight-only INT4/INT8 (symmetric: zero point 0). The minimum of Q4_1, Q5_1, Q4_K, Q5_K rides
+along exactly as a second, small MatMul of the B-wide block sums of x: x W = x DQ(v, s) + blocksums_B(x) O
+(see gguf_blocks.py). Nothing is re-quantized: the integers and scales are the file's.
 """
 from __future__ import annotations
 
@@ -62,22 +62,23 @@ def apply_block_weights(model: onnx.ModelProto, blocks: dict[str, BlockWeight]) 
 
 def block_matmul(prefix: str, matmul: onnx.NodeProto, weight: BlockWeight
                   ) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """Nodes to put before ``matmul`` (the dequantized weight, rewired into it), nodes to put after it (Q4_1's
-    offset term added to its output), and their initializers."""
+    """Nodes to put before ``matmul`` (the dequantized weight, rewired into it), nodes to put after it (the
+    offset term of a kind with a minimum, added to its output), and their initializers."""
     k, n = weight.values.shape
+    block = weight.block
     if weight.bits == 4:
         q = int4_tensor(f"{prefix}.q", weight.values)
     else:
         q = numpy_helper.from_array(weight.values.astype(np.int8), f"{prefix}.q")
     inits = [q, numpy_helper.from_array(weight.scales.astype(np.float32), f"{prefix}.scale")]
-    ahead = [dequantize_into(prefix, matmul)]
+    ahead = [dequantize_into(prefix, matmul, block)]
     if weight.offsets is None:
         return ahead, [], inits
-    # x W = x DQ + blocksums32(x) M': sum x over each block of 32 inputs, then a [K/32, N] MatMul
+    # x W = x DQ + blocksums_B(x) O: sum x over each block of B inputs, then a [K/B, N] MatMul
     x, out, main = matmul.input[0], matmul.output[0], f"{prefix}.main"
     matmul.output[0] = main
     inits += [numpy_helper.from_array(weight.offsets.astype(np.float32), f"{prefix}.offsets"),
-              numpy_helper.from_array(np.array([0, 0, k // BLOCK, BLOCK], dtype=np.int64), f"{prefix}.blocks_shape"),
+              numpy_helper.from_array(np.array([0, 0, k // block, block], dtype=np.int64), f"{prefix}.blocks_shape"),
               numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{prefix}.last_axis")]
     ahead += [helper.make_node("Reshape", [x, f"{prefix}.blocks_shape"], [f"{prefix}.x_blocks"]),
               helper.make_node("ReduceSum", [f"{prefix}.x_blocks", f"{prefix}.last_axis"], [f"{prefix}.block_sums"],
@@ -86,12 +87,12 @@ def block_matmul(prefix: str, matmul: onnx.NodeProto, weight: BlockWeight
     return ahead, [helper.make_node("Add", [main, f"{prefix}.offset_term"], [out], name=f"{prefix}.add_offsets")], inits
 
 
-def dequantize_into(prefix: str, matmul: onnx.NodeProto) -> onnx.NodeProto:
-    """The DequantizeLinear of ``<prefix>.q`` / ``<prefix>.scale`` (symmetric, block-32 along K), rewired into
-    ``matmul`` as its weight: the node to put ahead of it."""
+def dequantize_into(prefix: str, matmul: onnx.NodeProto, block: int = BLOCK) -> onnx.NodeProto:
+    """The DequantizeLinear of ``<prefix>.q`` / ``<prefix>.scale`` (symmetric, blocks of ``block`` along K),
+    rewired into ``matmul`` as its weight: the node to put ahead of it."""
     matmul.input[1] = f"{prefix}.w"
     return helper.make_node("DequantizeLinear", [f"{prefix}.q", f"{prefix}.scale"], [f"{prefix}.w"], axis=0,
-                            block_size=BLOCK, name=f"{prefix}.dequantize")
+                            block_size=block, name=f"{prefix}.dequantize")
 
 
 def pack_int4(values: np.ndarray) -> bytes:
@@ -125,7 +126,7 @@ def set_default_opset(model: onnx.ModelProto, version: int) -> None:
 def model_block_weights(weights: str, source, model, keep_8bit: bool = True) -> dict[str, BlockWeight] | None:
     """The block weights a recipe asks for (``ModelSpec.weights``), by Decoder module name; None for float.
 
-    ``keep_8bit=False`` leaves 8-bit blocks (a GGUF's Q8_0 LM head) as fp32 weights -- their exact
+    ``keep_8bit=False`` leaves 8-bit blocks (a GGUF's Q8_0 LM head; Q5_*, Q6_K) as fp32 weights -- their exact
     dequantization: ONNX Runtime's fused 8-bit MatMul with fp32 activations has no fast kernel (the
     SmolLM2 head took 123 ms a token that way, against ~9 ms for the fp32 matrix), while with int8
     activations it is the fastest form (3 ms).

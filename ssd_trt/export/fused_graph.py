@@ -11,7 +11,7 @@ weight MatMuls: docs/bench/profiles/). Here the same function is written layer b
 
 Every projection is ``DequantizeLinear -> MatMul`` over the block weights (ONNX Runtime fuses the pair into
 one ``MatMulNBits``, with the accuracy level the session asks for), or a plain MatMul for float weights;
-Q4_1's per-block minimum stays the exact side term of ``block_weights.block_matmul``. Packing q|k|v (and
+a kind's per-block minimum (Q4_1, Q4_K, Q5_K, ...) stays the exact side term of ``block_weights.block_matmul``. Packing q|k|v (and
 gate|up) concatenates output columns; blocks run along K, so every column keeps its own integers and
 scales: the packed product is, column for column, the separate products.
 
@@ -148,9 +148,10 @@ def _weight_t(module: torch.nn.Linear) -> np.ndarray:
 
 
 def _packed_blocks(parts: list[BlockWeight]) -> BlockWeight | None:
-    """The blocks of [W_1 | W_2 | ...] (output columns side by side), or None when the parts differ in bits.
-    A part without Q4_1 offsets gets zero offsets: its side term adds exact zeros."""
-    if len({part.bits for part in parts}) != 1:
+    """The blocks of [W_1 | W_2 | ...] (output columns side by side), or None when the parts differ in bits or in
+    block size (one DequantizeLinear has one of each: Q4_K q|k beside a Q6_K v stay apart). A part without
+    offsets gets zero offsets in the same blocks: its side term adds exact zeros."""
+    if len({(part.bits, part.block) for part in parts}) != 1:
         return None
     offsets = None
     if any(part.offsets is not None for part in parts):
@@ -158,7 +159,7 @@ def _packed_blocks(parts: list[BlockWeight]) -> BlockWeight | None:
                                   for part in parts], axis=1)
     return BlockWeight(np.concatenate([p.values for p in parts], axis=1),
                        np.concatenate([p.scales for p in parts], axis=1), offsets, parts[0].bits,
-                       "+".join(sorted({p.kind for p in parts})))
+                       "+".join(sorted({p.kind for p in parts})), parts[0].block)
 
 
 def _projection(graph: _Graph, x: str, prefix: str, modules: list[torch.nn.Linear], names: list[str],

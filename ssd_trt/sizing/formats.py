@@ -24,7 +24,6 @@ BLOCK = 32
 SCALE_BYTES = 4                                   # BlockWeight.scales: float32 [K/32, N]
 INT4_BYTES = 0.5 + SCALE_BYTES / BLOCK            # 0.625: pack_int4 puts two 4-bit codes in a byte
 INT8_BYTES = 1 + SCALE_BYTES / BLOCK              # 1.125
-Q4_1_BYTES = INT4_BYTES + SCALE_BYTES / BLOCK     # 0.75: + the per-block offsets m + 8d (float32 [K/32, N])
 FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -86,17 +85,28 @@ def engine_formats(recipe: Recipe, role: str, gguf_path: Path | None = None) -> 
 LINEAR_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+def graph_bytes(kind: str, keep_8bit: bool) -> float:
+    """Bytes per weight of a GGUF block type as the ONNX Runtime graph stores it (``models/gguf_blocks.py``): 4-bit
+    or 8-bit codes, a float32 scale per block, and a float32 offset per block for the kinds with a minimum; fp32 for
+    float tensors, and for 8-bit kinds without int8 activations (their exact values)."""
+    from ssd_trt.models.gguf_blocks import LAYOUTS, WITH_MINIMUM
+    layout = LAYOUTS.get(kind)
+    bits = None if layout is None else (4 if layout.code_bits == 4 else 8)
+    if bits is None or (bits == 8 and not keep_8bit):
+        return 4.0
+    return bits / 8 + SCALE_BYTES / layout.block * (2 if kind in WITH_MINIMUM else 1)
+
+
 def gguf_block_bytes(path: Path, keep_8bit: bool) -> tuple[float, float]:
     """Bytes per weight of a GGUF's layer projections (their mean over the file's kinds) and of its LM head
     (``output.weight``, else the tied embedding's blocks), as the ONNX Runtime graph stores them. Reads the
     tensor table only (``gguf.GGUFReader`` maps the file; no weight is read)."""
     import gguf
-    per_kind = {"Q4_0": INT4_BYTES, "Q4_1": Q4_1_BYTES, "Q8_0": INT8_BYTES if keep_8bit else 4.0}
     total = count = 0
     head = None
     embedding = 4.0
     for tensor in gguf.GGUFReader(str(path)).tensors:
-        size = per_kind.get(tensor.tensor_type.name, 4.0)     # other kinds are dequantized to fp32
+        size = graph_bytes(tensor.tensor_type.name, keep_8bit)
         parts = tensor.name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in LINEAR_NAMES:
             total += size * int(tensor.n_elements)
