@@ -218,14 +218,14 @@ def test_a_build_that_cannot_fit_the_host_exits_2_with_the_estimate(tmp_path):
 
 def test_streamed_export_refuses_what_it_cannot_stream(tmp_path):
     from ssd_trt.build import build
-    gguf = ROOT / "recipes" / "smollm2-135m.yaml"
-    recipe = yaml.safe_load(gguf.read_text())
+    feature_pair = ROOT / "recipes" / "smollm2-135m-eagle3.yaml"
+    recipe = yaml.safe_load(feature_pair.read_text())
     recipe["target"]["export"] = "streamed"
     recipe["output_dir"] = str(tmp_path / "out")
     path = tmp_path / "gguf.yaml"
     path.write_text(yaml.safe_dump(recipe))
     (tmp_path / "drafts").symlink_to(ROOT / "recipes" / "drafts")
-    with pytest.raises(RecipeError, match=r"target.export: streamed reads an HF safetensors checkpoint .* a .gguf file"):
+    with pytest.raises(RecipeError, match=r"target.export: streamed reads a checkpoint layer by layer, .* EAGLE-3 draft"):
         build(path, root=tmp_path)
 
 

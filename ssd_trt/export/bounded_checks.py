@@ -74,7 +74,8 @@ def _rebuild_rotary(model) -> None:
 
 
 def bounded_validation(checkpoint: Checkpoint, layers: int, bits: int | None, shapes: list[tuple[int, int]],
-                       max_positions: int, native_capacity: int | None = None) -> dict[str, dict]:
+                       max_positions: int, native_capacity: int | None = None, file_blocks: bool = False,
+                       keep_8bit: bool = True) -> dict[str, dict]:
     """ONNX Runtime vs torch on the cut checkpoint's ``ort`` graph, written by the same code as the full one and
     run as the engine runs it (caches in place), and on its native-attention rewrite when ``native_capacity``
     is given; ``{"ort": result, "rtx": result}``."""
@@ -84,7 +85,8 @@ def bounded_validation(checkpoint: Checkpoint, layers: int, bits: int | None, sh
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch)
-        graph, binding, form = export_ort_graph(cut, out, bits, max_positions, keep_computed=True)
+        graph, binding, form = export_ort_graph(cut, out, bits, max_positions, keep_computed=True,
+                                                file_blocks=file_blocks, keep_8bit=keep_8bit)
         path = (save_flavours(None, out, datacenter=False, fused=graph) if form == "fused" else
                 save_flavours(graph, out, datacenter=False))["ort"]
         results["ort"] = validate_with_polygraphy(reference_decoder(cut.config, binding.computed), path, shapes,

@@ -269,5 +269,7 @@ def first_layers(checkpoint: Checkpoint, count: int) -> Checkpoint:
     hf = {key: (value[:count] if isinstance(value, list) and len(value) == layers and key != "eos_token_id" else value)
           for key, value in checkpoint.hf_config.items()}
     hf["num_hidden_layers"] = count
-    return Checkpoint(checkpoint.directory, hf, dataclasses.replace(checkpoint.config, num_layers=count), tensors)
+    # replace keeps the checkpoint's own class (a GGUF file's reader too)
+    return dataclasses.replace(checkpoint, hf_config=hf, config=dataclasses.replace(checkpoint.config, num_layers=count),
+                               tensors=tensors)
 

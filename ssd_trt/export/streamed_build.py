@@ -15,6 +15,9 @@ from ssd_trt.manifest import ROLES
 from ssd_trt.recipe import Recipe
 
 STREAM_ABOVE_BYTES = 256 << 20   # export: auto streams an HF checkpoint larger than this in fp32 (64M parameters)
+# ... and a GGUF file larger than this (256M parameters): a smaller one (the embedded default's 135M target) stays
+# on the in-memory path, whose parity check runs the whole model against transformers' own GGUF loader
+STREAM_GGUF_ABOVE_BYTES = 1 << 30
 
 
 def plan_exports(recipe: Recipe, sources: dict, host_bytes: int | None) -> tuple[dict, dict]:
@@ -32,16 +35,23 @@ def plan_exports(recipe: Recipe, sources: dict, host_bytes: int | None) -> tuple
     for role in ROLES:
         spec, source = getattr(recipe, role), sources[role]
         feature_pair = recipe.draft.kind == "eagle3"
-        if source.kind != "hf" or feature_pair:
+        if feature_pair:
             if spec.export == "streamed":
-                why = ("it is a .gguf file" if source.kind != "hf" else
-                       "the pair has an EAGLE-3 draft (its target's graph also returns features)")
-                raise RecipeError(f"{role}.export: streamed reads an HF safetensors checkpoint layer by layer, but "
-                                  f"{source.path}: {why}; use export: in_memory (or auto)")
+                raise RecipeError(f"{role}.export: streamed reads a checkpoint layer by layer, but {source.path}: "
+                                  "the pair has an EAGLE-3 draft (its target's graph also returns features); use "
+                                  "export: in_memory (or auto)")
             params = count_params(source)
             plans.append(host_memory.MemoryPlan(role, "in_memory", params, host_memory.in_memory_peak(params)))
             continue
-        checkpoint = Checkpoint.open(source.path)
+        if source.kind == "gguf":     # its reader parses the whole header (~9 s for a 152k-token vocabulary): once
+            from ssd_trt.models.gguf_checkpoint import GGUFCheckpoint
+            checkpoint = GGUFCheckpoint.open(source.path)
+            params = checkpoint.num_params
+            if spec.export == "in_memory" or (spec.export == "auto" and 4 * params <= STREAM_GGUF_ABOVE_BYTES):
+                plans.append(host_memory.MemoryPlan(role, "in_memory", params, host_memory.in_memory_peak(params)))
+                continue
+        else:
+            checkpoint = Checkpoint.open(source.path)
         if role == "target" and ranks > 1:     # from the config alone: before any weight is read or file written
             from ssd_trt.models.rank_decoder import split_for
             split = split_for(checkpoint.config, ranks, f"the target {source.path}")
@@ -52,7 +62,7 @@ def plan_exports(recipe: Recipe, sources: dict, host_bytes: int | None) -> tuple
             plans.append(host_memory.MemoryPlan(role, "in_memory", checkpoint.num_params,
                                                 host_memory.in_memory_peak(checkpoint.num_params)))
             continue
-        if spec.weights == "gguf":
+        if spec.weights == "gguf" and source.kind != "gguf":
             raise RecipeError(f"{role}: weights: gguf keeps a GGUF file's own blocks, but {source.path} is not a .gguf "
                               f"file; use weights: float, int8 or int4 for this model")
         from ssd_trt.export.streamed import first_layers
@@ -146,13 +156,16 @@ def export_streamed_role(recipe: Recipe, role: str, checkpoint, out: Path, step,
     from ssd_trt.trt.engine_build import PRECISION_DTYPES
 
     spec, editions = getattr(recipe, role), editions_for(recipe.engine.tensorrt)
-    bits = built_bits(spec.weights, keep_8bit=spec.activations == "int8")
+    keep_8bit = spec.activations == "int8"
+    bits = built_bits(spec.weights, keep_8bit=keep_8bit)
+    file_blocks = spec.weights == "gguf"      # the GGUF file's own blocks (a GGUFCheckpoint)
     step(f"parity {role} (first {spec.check_layers} layers)")
     parity = bounded_parity(checkpoint, spec.check_layers)
     step(f"export {role} (streamed)")
     # rotary rows for every position + 1 spare, as the in-memory build writes them
     max_positions = recipe.engine.max_context + 1
-    ort_graph, binding, form = export_ort_graph(checkpoint, out / role, bits, max_positions)
+    ort_graph, binding, form = export_ort_graph(checkpoint, out / role, bits, max_positions, file_blocks=file_blocks,
+                                                keep_8bit=keep_8bit)
     engine_graph, native = None, None
     if editions:   # the TensorRT flavours: plain weights in the engine precision, in their own file
         dtype = getattr(torch, PRECISION_DTYPES[recipe.engine.trt_precision])
@@ -168,7 +181,8 @@ def export_streamed_role(recipe: Recipe, role: str, checkpoint, out: Path, step,
     release_freed_memory()
     step(f"validate {role} (first {spec.check_layers} layers)")
     checks = bounded_validation(checkpoint, spec.check_layers, bits, [tuple(s) for s in recipe.validate_shapes],
-                                max_positions, min(recipe.engine.max_context, twin_capacity) if RTX in editions else None)
+                                max_positions, min(recipe.engine.max_context, twin_capacity) if RTX in editions else None,
+                                file_blocks=file_blocks, keep_8bit=keep_8bit)
     release_freed_memory()
     for name, result in checks.items():
         if not result["passed"]:

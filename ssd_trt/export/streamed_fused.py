@@ -30,10 +30,15 @@ class CheckpointWeights:
     """``fused_graph.StepWeights`` read from ``checkpoint`` one layer at a time.
 
     ``keep_computed``: also keep, by graph weight name (the names ``streamed.reference_decoder`` takes), the
-    float values the graph computes with (dequantized where quantized), for the bounded validation."""
+    float values the graph computes with (dequantized where quantized), for the bounded validation.
+    ``file_blocks``: the checkpoint's own blocks (a GGUF file, ``weights: gguf``) instead of quantizing here;
+    ``keep_8bit=False`` leaves its 8-bit blocks as their exact fp32 values (``block_weights.model_block_weights``
+    says why: fp32 activations have no fast 8-bit kernel)."""
 
-    def __init__(self, checkpoint: Checkpoint, bits: int | None, keep_computed: bool = False) -> None:
+    def __init__(self, checkpoint: Checkpoint, bits: int | None, keep_computed: bool = False,
+                 file_blocks: bool = False, keep_8bit: bool = True) -> None:
         self.checkpoint, self.bits, self.keep_computed = checkpoint, bits, keep_computed
+        self.file_blocks, self.keep_8bit = file_blocks, keep_8bit
         self.config = checkpoint.config
         self.inv_freq = rope_inverse_frequencies(self.config)
         ids = checkpoint.tensors.get("lm_head_token_ids")
@@ -72,7 +77,7 @@ class CheckpointWeights:
         for name, module in layer.named_modules():
             full = f"layers.{index}.{name}"
             if isinstance(module, nn.Linear):
-                blocks.update(self._linear(full, module.weight.detach()))
+                blocks.update(self._linear(full, module.weight.detach(), f"{prefix}{name}.weight"))
                 if module.bias is not None:
                     self._keep(f"{full}.bias", module.bias.detach())
             elif isinstance(module, RMSNorm):
@@ -86,26 +91,34 @@ class CheckpointWeights:
         self._keep("norm.weight", norm.weight)
         tied = c.tie_word_embeddings and c.head_vocab_size is None   # a tied head is the embedding matrix
         head = TiedHead(self._embedding_again() if tied else self._float("lm_head.weight"))
-        return norm, head, self._linear("lm_head", head.weight)
+        return norm, head, self._linear("lm_head", head.weight, "model.embed_tokens.weight" if tied else "lm_head.weight")
 
-    def _linear(self, name: str, weight: torch.Tensor) -> dict[str, BlockWeight]:
-        """{name: blocks of W^T} when quantized (W [out, in]); keeps what the graph computes with."""
-        k = weight.shape[1]
-        if self.bits is None or k % BLOCK:
+    def _linear(self, name: str, weight: torch.Tensor, source: str) -> dict[str, BlockWeight]:
+        """{name: blocks of W^T} when quantized (W [out, in], checkpoint tensor ``source``); keeps what the graph
+        computes with."""
+        if self.file_blocks:
+            blocks = self.checkpoint.blocks(source)
+            if blocks is None or (blocks.bits == 8 and not self.keep_8bit):
+                self._keep(f"{name}.weight_t", weight.t())     # float in the file, or left as its exact values
+                return {}
+            computed = blocks.dequantize() if self.keep_computed else None
+        elif self.bits is None or weight.shape[1] % BLOCK:
             self._keep(f"{name}.weight_t", weight.t())
             return {}
-        blocks, computed = quantize_in_rows(weight.t().numpy(), self.bits, dequantized=self.keep_computed)
+        else:
+            blocks, computed = quantize_in_rows(weight.t().numpy(), self.bits, dequantized=self.keep_computed)
         if computed is not None:
             self._keep(f"{name}.weight_t", torch.from_numpy(computed))
         summary = self._summary
         summary["layers"] += 1
         summary["kinds"][blocks.kind] = summary["kinds"].get(blocks.kind, 0) + 1
         summary["fp32_bytes_replaced"] += weight.numel() * 4
-        summary["block_bytes"] += blocks.values.size * self.bits // 8 + blocks.scales.nbytes
+        summary["block_bytes"] += blocks.values.size * blocks.bits // 8 + blocks.scales.nbytes + \
+            (0 if blocks.offsets is None else blocks.offsets.nbytes)
         return {name: blocks}
 
     def quantization(self) -> dict | None:
-        return dict(self._summary) if self.bits is not None else None
+        return dict(self._summary) if self.bits is not None or self.file_blocks else None
 
 
 def quantize_in_rows(weight_t: np.ndarray, bits: int, dequantized: bool = False
@@ -127,11 +140,13 @@ def quantize_in_rows(weight_t: np.ndarray, bits: int, dequantized: bool = False
 
 
 def export_fused_streamed(checkpoint: Checkpoint, out_dir: Path, weights_file: str, bits: int | None,
-                          max_positions: int, keep_computed: bool = False) -> tuple[onnx.ModelProto, Binding]:
-    """The fused step graph of ``checkpoint`` with its weights in ``out_dir/weights_file`` (fp32, or ``bits``
-    block weights); returned unsaved (its tensors point at the weight file), with what binding did."""
+                          max_positions: int, keep_computed: bool = False, file_blocks: bool = False,
+                          keep_8bit: bool = True) -> tuple[onnx.ModelProto, Binding]:
+    """The fused step graph of ``checkpoint`` with its weights in ``out_dir/weights_file`` (fp32, ``bits`` block
+    weights, or the file's own blocks: :class:`CheckpointWeights`); returned unsaved (its tensors point at the
+    weight file), with what binding did."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = CheckpointWeights(checkpoint, bits, keep_computed)
+    weights = CheckpointWeights(checkpoint, bits, keep_computed, file_blocks, keep_8bit)
     sink = ExternalWeights(out_dir / weights_file)
     try:
         graph = write_fused_graph(weights, max_positions, sink)
@@ -145,14 +160,19 @@ def export_fused_streamed(checkpoint: Checkpoint, out_dir: Path, weights_file: s
 
 
 def export_ort_graph(checkpoint: Checkpoint, out_dir: Path, bits: int | None, max_positions: int,
-                     keep_computed: bool = False) -> tuple[onnx.ModelProto, Binding, str]:
+                     keep_computed: bool = False, file_blocks: bool = False, keep_8bit: bool = True
+                     ) -> tuple[onnx.ModelProto, Binding, str]:
     """The ``ort`` flavour of a streamed model into ``out_dir/weights.bin``: the fused graph where it covers the
     model, else the traced one (``streamed.export_streamed``). The third value is "fused", or why not."""
     from ssd_trt.export.fused_graph import config_reason
     from ssd_trt.export.streamed import export_streamed
     reason = config_reason(checkpoint.config)
     if reason:
+        if file_blocks:
+            raise ValueError(f"weights: gguf keeps the file's blocks in the fused graph only, and this model needs the "
+                             f"traced one ({reason}); use weights: int4 or int8")
         graph, binding = export_streamed(checkpoint, out_dir, "weights.bin", torch.float32, bits, keep_computed)
         return graph, binding, reason
-    graph, binding = export_fused_streamed(checkpoint, out_dir, "weights.bin", bits, max_positions, keep_computed)
+    graph, binding = export_fused_streamed(checkpoint, out_dir, "weights.bin", bits, max_positions, keep_computed,
+                                           file_blocks, keep_8bit)
     return graph, binding, "fused"
