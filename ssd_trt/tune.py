@@ -34,8 +34,8 @@ PLOT_NAME = "tuning.png"      # beside the manifest: every measured point as spe
 
 
 def grid(sd_ks: list[int], ssd_ks: list[int], budgets: list[int], limits) -> list[tuple]:
-    """The points to measure: ("ar",), ("sd", K), ("ssd", K, B) within the engine's limits; a budget below
-    K+1 (fewer guesses than acceptance outcomes) is raised to K+1 and duplicates dropped."""
+    """The points to measure: ("ar",), ("sd", K), ("ssd", K, B) within the engine's limits; a budget below the
+    smallest (``min_fan_out_budget``) is raised to it and duplicates dropped."""
     points: list[tuple] = [("ar",)] + [("sd", k) for k in sd_ks if k <= limits.max_draft_len]
     for k in [k for k in ssd_ks if k <= limits.max_draft_len]:
         for b in sorted({max(b, min_fan_out_budget(k)) for b in budgets}):

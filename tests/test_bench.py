@@ -44,9 +44,9 @@ def test_bench_reports_every_preset_tunes_on_the_tuning_split_and_plots(tiny_pai
         assert set(summary) == {"ar", "sd", "ssd"}
         assert [p["value"] for p in outcome["sweeps"]["sd: K"]] == [1, 2]          # swept ...
         assert outcome["chosen"]["sd_k"] in (1, 2) and outcome["chosen"]["ssd_k"] in (1, 2)
-        # ... and SSD's K and budget jointly: every pair, a budget below K+1 raised to K+1 (K 1,2 x budget 2,3 -> 3 pairs)
+        # ... and SSD's K and budget jointly: every pair, a budget below K+1 as it is (K 1,2 x budget 2,3 -> 4 pairs)
         grid = outcome["sweeps"]["ssd: K x fan-out budget"]
-        assert [p["value"] for p in grid] == [[1, 2], [1, 3], [2, 3]]
+        assert [p["value"] for p in grid] == [[1, 2], [1, 3], [2, 2], [2, 3]]
         best = max(grid, key=lambda p: p["tokens_per_s"])["value"]
         assert [outcome["chosen"]["ssd_k"], outcome["chosen"]["ssd_budget"]] == best
         for mode in ("sd", "ssd"):

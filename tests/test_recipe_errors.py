@@ -48,8 +48,8 @@ CASES = {
     "non-positive limit": (lambda d: d["engine"].update(max_context=0), ["engine.max_context"]),
     "default K over the engine's": (lambda d: d.update(decoding={"ssd_draft_len": 9}),
                                     ["decoding.ssd_draft_len (9) exceeds engine.max_draft_len (8)"]),
-    "default budget below K+1": (lambda d: d.update(decoding={"ssd_draft_len": 4, "ssd_fan_out_budget": 4}),
-                                 ["decoding.ssd_fan_out_budget (4) must be at least decoding.ssd_draft_len + 1 (5)"]),
+    "default budget zero": (lambda d: d.update(decoding={"ssd_draft_len": 4, "ssd_fan_out_budget": 0}),
+                            ["decoding.ssd_fan_out_budget", "greater than or equal to 1"]),
     "default SSD tree over the engine's": (
         lambda d: d.update(decoding={"ssd_draft_len": 4, "ssd_fan_out_budget": 20}),
         ["feeds 85 tokens, more than engine.max_tree_size (64)", "lower the budget or raise the limit"]),

@@ -159,6 +159,18 @@ def test_non_uniform_fan_out_is_lossless():
     assert shapes and all(len(set(shape)) > 1 for shape in shapes)
 
 
+@pytest.mark.parametrize("policy", ["confidence", "geometric"])
+def test_a_budget_below_k_plus_one_leaves_outcomes_to_the_backup_and_stays_lossless(policy):
+    # K=3 with one guess a round: at least three of the four acceptance lengths have no branch, so their rounds
+    # always miss and take the just-in-time backup; Saguaro's C < 1 reshapes q only where a guess sits
+    stats = assert_lossless(ssd_mode(draft_len=3, fan_out_budget=1, saguaro_c=0.5, backup="jit", fork_policy=policy,
+                                     lookup_forks=0), 1.0)
+    assert all(0 < s["cache_hit_rate"] < 1 for s in stats)
+    if policy == "geometric":
+        shapes = [s["fan_out"]["primary"]["shape"] for s in stats if "primary" in s["fan_out"]]
+        assert shapes and all(sum(shape) == 1 and shape.count(0) == 3 for shape in shapes)
+
+
 FILTERS = {"top-k 3": dict(top_k=3), "top-p 0.8": dict(top_p=0.8), "top-k 4, top-p 0.9": dict(top_k=4, top_p=0.9)}
 # every strategy with both filters at once (top-k's candidates, then their nucleus: the sparsest q and p), and each
 # filter alone (its own path through filter_logits) with SSD's Saguaro proposals, where q is reshaped after filtering

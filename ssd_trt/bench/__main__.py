@@ -37,7 +37,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     p.add_argument("--modes", default="ar,sd,ssd")
     p.add_argument("--baselines", default="hf,hf_assisted,llama_bench,llama_lookup,llama_cpp,llama_cpp_lookup",
-                   help="comma list of hf, hf_assisted, llama_bench, llama_lookup (llama.cpp's own binaries), "
+                   help="comma list of hf, hf_assisted, llama_bench, llama_lookup, llama_speculative (llama.cpp's own binaries), "
                         "llama_cpp, llama_cpp_lookup (its Python binding), or 'none' (llama.cpp ones need "
                         "`bash scripts/install_llama_cpp.sh` and a .gguf target; skipped with a note otherwise)")
     p.add_argument("--ar-builds", default="",
@@ -88,6 +88,8 @@ def usable_baselines(wanted: str, manifest) -> tuple[str, dict[str, str]]:
             reason = llama_bench.unavailable_reason(name) if name in llama_bench.NAMES else llama_cpp.unavailable_reason()
             if reason is None and not manifest.model("target").source.endswith(".gguf"):
                 reason = "the target is not built from a .gguf file (llama.cpp runs the same file)"
+            if reason is None and name == "llama_speculative" and not manifest.model("draft").source.endswith(".gguf"):
+                reason = "the draft is not built from a .gguf file (llama.cpp's speculative decoding loads it)"
             if reason is not None:
                 skipped[name] = reason
                 print(f"ssd_trt.bench: skipping {name}: {reason}", file=sys.stderr)
@@ -129,8 +131,8 @@ SSD_GRID = "ssd: K x fan-out budget"
 
 
 def ssd_grid(ks: str, budgets: str) -> list[tuple[int, int]]:
-    """Every (K, budget) pair of the two comma lists; a budget below K+1 (fewer guesses than outcomes
-    k = 0..K) is raised to K+1, and pairs that coincide after that are swept once."""
+    """Every (K, budget) pair of the two comma lists (a budget below the smallest, ``min_fan_out_budget``, raised to
+    it; pairs that coincide after that are swept once)."""
     return sorted({(int(k), max(int(b), min_fan_out_budget(int(k)))) for k in ks.split(",") for b in budgets.split(",")})
 
 
@@ -230,6 +232,9 @@ def binary_rows(args, setting, encoded: list[list[int]], greedy: bool) -> dict[s
         if name == "llama_bench":
             depth = round(float(np.mean([len(ids) for ids in encoded])))       # the measured prompts' mean length
             row = llama_bench.run_llama_bench(args.gguf, setting, args.max_new_tokens, depth)
+        elif name == "llama_speculative":
+            row = llama_bench.run_llama_speculative_row(args.gguf, args.draft_gguf, setting, args.prompt_texts,
+                                                        args.max_new_tokens)
         else:
             row = llama_bench.run_llama_lookup(args.gguf, setting, args.prompt_texts, args.max_new_tokens)
         rows[name] = {**dict.fromkeys(("prompts", "generated_tokens", "seconds", "ttft_s", "exact_prompts",
@@ -295,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         # llama-lookup reads text: the prompts as this engine encodes them (chat template included)
         args.prompt_texts = [probe.tokenizer.decode(ids) for ids in encoded]
         args.gguf = Path(probe.manifest.model("target").source)
+        args.draft_gguf = Path(probe.manifest.model("draft").source)
         args.ar_builds = other_ar_builds(args.ar_builds, probe.manifest)
         weights = {role: f"{getattr(probe.manifest.recipe, role).weights} weights, "
                          f"{getattr(probe.manifest.recipe, role).activations} activations" for role in ("target", "draft")}

@@ -37,12 +37,15 @@ from ssd_trt.decoding.sampling import top_tokens
 LOOKUP_PRIOR = {1: 0.05, 2: 0.3, 3: 0.5}
 
 def geometric_fan_out(acceptance: float, power: float, draft_len: int, budget: int) -> list[int]:
-    """Integer fan-outs F_0..F_K (length K+1) summing to ``budget`` (>= K+1: ``settings.SSD`` checks it)."""
+    """Integer fan-outs F_0..F_K (length K+1) summing to ``budget``. With B >= K+1 every acceptance length gets at
+    least one guess (the paper's shapes); a smaller budget goes to the likeliest outcomes and leaves the others at
+    F_k = 0 (their misses go to the backup: ``settings.min_fan_out_budget``)."""
     a = min(max(acceptance, 1e-3), 1 - 1e-3)
     exponent = 1.0 / (1.0 + power)
     weights = np.array([a ** (k * exponent) for k in range(draft_len)]
                        + [a ** (draft_len * exponent) * (1 - a) ** (-exponent)])
-    ideal = 1 + weights / weights.sum() * (budget - draft_len - 1)    # everyone gets >= 1
+    floor = 1 if budget >= draft_len + 1 else 0
+    ideal = floor + weights / weights.sum() * (budget - floor * (draft_len + 1))
     shape = np.floor(ideal).astype(int)
     for index in np.argsort(-(ideal - shape), kind="stable")[:budget - shape.sum()]:
         shape[index] += 1

@@ -30,8 +30,12 @@ def ssd_tree_tokens(draft_len: int, fan_out_budget: int) -> int:
 
 
 def min_fan_out_budget(draft_len: int) -> int:
-    """The smallest fan-out budget for K: one bonus guess per acceptance length k = 0..K."""
-    return draft_len + 1
+    """The smallest fan-out budget for K: one bonus guess. The paper's budgets cover every acceptance length k = 0..K
+    (B >= K+1), but an outcome too unlikely to pay for its branch may get none: its misses go to the backup, and
+    the output does not depend on what the cache holds (verification never reads it; under Saguaro sampling each
+    speculation carries the q' it was drawn from). On a CPU the tree costs in proportion to its K*B tokens, and
+    with a draft that agrees often nearly all the probability sits on "all K accepted" (docs/real_pair.md)."""
+    return 1
 
 
 def tree_nodes(widths: tuple[int, ...]) -> int:
@@ -107,11 +111,10 @@ class SSD:
     def __post_init__(self) -> None:
         _check_draft_len(self.draft_len)
         budget = self.fan_out_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 2):
-            raise RequestError(f"fan_out_budget must be an integer >= 2 (or None for the build's default), got "
-                               f"{budget!r}")
-        if budget is not None and self.draft_len is not None and budget < min_fan_out_budget(self.draft_len):
-            raise RequestError(f"fan_out_budget must be >= K+1 = {min_fan_out_budget(self.draft_len)}, got {budget}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or
+                                   budget < min_fan_out_budget(self.draft_len or 1)):
+            raise RequestError(f"fan_out_budget must be an integer >= {min_fan_out_budget(self.draft_len or 1)} (or "
+                               f"None for the build's default), got {budget!r}")
         if not isinstance(self.saguaro_c, (int, float)) or not 0 < self.saguaro_c <= 1:
             raise RequestError(f"saguaro_c (C) must be in (0, 1], got {self.saguaro_c}")
         if self.fork_policy not in ("confidence", "geometric"):
@@ -124,15 +127,14 @@ class SSD:
             raise RequestError(f"critical_batch must be a positive integer, got {self.critical_batch!r}")
 
     def resolved(self, defaults) -> "SSD":
-        """With K and the budget set: unset ones from ``defaults`` (the build's ``DecodingDefaults``), the
-        default budget grown to K+1 when the caller chose a K it cannot cover."""
+        """With K and the budget set: unset ones from ``defaults`` (the build's ``DecodingDefaults``)."""
         draft_len = self.draft_len or defaults.ssd_draft_len
         budget = self.fan_out_budget or max(defaults.ssd_fan_out_budget, min_fan_out_budget(draft_len))
         return replace(self, draft_len=draft_len, fan_out_budget=budget)
 
     def speculating(self, draft_len: int, backup: str) -> "SSD":
-        """These (resolved) settings at K = ``draft_len`` with ``backup``, the budget grown to K+1 if it is less: the
-        load policy's options."""
+        """These (resolved) settings at K = ``draft_len`` with ``backup``, the budget at least the smallest for that K:
+        the load policy's options."""
         return replace(self, draft_len=draft_len, fan_out_budget=max(self.fan_out_budget, min_fan_out_budget(draft_len)),
                        backup=backup)
 
