@@ -2,7 +2,8 @@
 # The optional llama.cpp baselines of the benchmark, both from llama-cpp-python 0.3.36's sdist (no prebuilt
 # downloads):
 #   1. llama.cpp's own binaries, compiled from the sdist's vendored source (vendor/llama.cpp) into
-#      .llama_cpp/bin: llama-bench (the yardstick users run) and llama-lookup (its n-gram speculative decoding);
+#      .llama_cpp/bin: llama-bench (the yardstick users run), llama-lookup (its n-gram speculative decoding),
+#      llama-speculative and llama-speculative-simple (its draft-model speculative decoding, target + draft GGUF);
 #   2. the Python binding, compiled from the same sdist (its Python generate loop: a slower row, labelled so).
 # ~9 min on 2 cores. AMX is switched off: on the machines this project runs on, llama.cpp's AMX int8 matmul
 # segfaults on the embedded model (ggml_backend_amx_mul_mat); AVX-512 (VNNI, BF16) stays on where the CPU has it.
@@ -29,9 +30,11 @@ src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release $COMMON_ARGS -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON > "$work/configure.log"
-cmake --build "$work/build" --target llama-bench llama-lookup -j "$JOBS" > "$work/build.log"
+BINARIES=(llama-bench llama-lookup llama-speculative llama-speculative-simple)
+cmake --build "$work/build" --target "${BINARIES[@]}" -j "$JOBS" > "$work/build.log" 2>&1 \
+  || { tail -n 40 "$work/build.log" >&2; exit 1; }
 mkdir -p .llama_cpp/bin
-cp "$work/build/bin/llama-bench" "$work/build/bin/llama-lookup" .llama_cpp/bin/
+for exe in "${BINARIES[@]}"; do cp "$work/build/bin/$exe" .llama_cpp/bin/; done
 echo "llama.cpp $VERSION (vendored in llama-cpp-python's sdist): $(ls .llama_cpp/bin | tr '\n' ' ')in .llama_cpp/bin"
 
 # 2. the Python binding
