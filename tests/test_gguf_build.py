@@ -13,7 +13,7 @@ import yaml
 
 import ssd_trt
 from ssd_trt.errors import RecipeError
-from tests.helpers import save_word_tokenizer
+from tests.helpers import random_decoder, save_hf_checkpoint, tiny_config
 from tests.test_gguf_kinds import gguf_blocks
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 256
@@ -62,8 +62,8 @@ def write_tiny_qwen2(path: Path, kinds: dict[str, str] = KINDS, seed: int = 0) -
 
 
 def gguf_recipe(folder: Path, gguf_file: Path, **decoding) -> Path:
-    tokenizer = folder / "tokenizer"
-    save_word_tokenizer(VOCAB, tokenizer)
+    # a tokenizer source is a model directory: a tiny checkpoint whose word-level tokenizer has the same vocabulary
+    tokenizer = save_hf_checkpoint(random_decoder(tiny_config(vocab=VOCAB), seed=0), folder / "tokenizer")
     model = {"source": str(gguf_file), "weights": "gguf", "activations": "int8", "export": "streamed"}
     recipe = {"name": "tiny-gguf", "output_dir": str(folder / "build"),
               "target": {**model, "tokenizer": str(tokenizer)}, "draft": {**model, "tokenizer": "target"},

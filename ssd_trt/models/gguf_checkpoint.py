@@ -12,12 +12,13 @@ safetensors checkpoint: layer by layer, with host memory near one layer. Two rea
 * :meth:`GGUFCheckpoint.blocks`: a quantized linear weight's own blocks (``models/gguf_blocks.py``), which the
   graph keeps as they are (``weights: gguf``).
 
-The file is memory-mapped by gguf-py's reader; touched pages count toward the process's resident memory (at most
-the file's size), which is why a GGUF build's memory bound is stated in file sizes.
+The file is memory-mapped by gguf-py's reader; touched pages would count toward the process's resident memory until
+unmapped, so each read copies what it needs and drops the mapping's pages (they stay in the page cache).
 """
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,7 @@ class GGUFCheckpoint(Checkpoint):
             values = raw.astype(np.float32)
         else:
             values = gguf.quants.dequantize(raw, kind)
+        self._drop_pages()
         values = values.reshape(self.tensors[name].shape)
         rows = self._rope_rows(name)
         if rows is not None:
@@ -176,9 +178,23 @@ class GGUFCheckpoint(Checkpoint):
             weight = parse_blocks(np.asarray(source.data).reshape(n, -1), kind, k)
         except ValueError as exc:
             raise RecipeError(f"{self.path}: tensor {source.name} ({name}): {exc}") from None
+        self._drop_pages()
         rows = self._rope_rows(name)
         return weight if rows is None else weight.permute_columns(rows)
 
-    @property
-    def file_bytes(self) -> int:
-        return self.path.stat().st_size
+    def _drop_pages(self) -> None:
+        """Release the file mapping's resident pages (what was read has been copied out)."""
+        mapping = _memmap_of(self.sources)
+        if mapping is not None and hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def _memmap_of(sources: dict[str, Any]):
+    """The mmap object under the reader's arrays (np.memmap keeps it as ``_mmap`` on the base array)."""
+    array = next(iter(sources.values())).data if sources else None
+    while array is not None:
+        found = getattr(array, "_mmap", None)
+        if found is not None:
+            return found
+        array = getattr(array, "base", None)
+    return None
