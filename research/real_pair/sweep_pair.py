@@ -53,12 +53,16 @@ def main() -> int:
     out = {}
     for name in names:
         summary = [summarise(r, reference) for r in results[name]]
-        out[name] = {"tokens_per_s": [s["tokens_per_s"] for s in summary], "mean_accepted": summary[0].get("mean_accepted"),
+        # decode phase: tokens after the first over the time after the first (TTFT, the prefill, left out)
+        decode = [sum(len(x.tokens) - 1 for x in r) / sum(x.seconds - x.ttft_s for x in r) for r in results[name]]
+        out[name] = {"tokens_per_s": [s["tokens_per_s"] for s in summary], "decode_tokens_per_s": decode,
+                     "mean_accepted": summary[0].get("mean_accepted"),
                      "cache_hit_rate": summary[0].get("cache_hit_rate"), "exact_prompts": summary[0].get("exact_prompts"),
                      "draft_latency_s": summary[0].get("draft_latency_s"), "verify_latency_s": summary[0].get("verify_latency_s")}
         ar = out["ar"]["tokens_per_s"] if "ar" in out else None
         if ar:
             out[name]["vs_ar"] = [t / a for t, a in zip(out[name]["tokens_per_s"], ar)]
+            out[name]["decode_vs_ar"] = [t / a for t, a in zip(decode, out["ar"]["decode_tokens_per_s"])]
         print(f"{name:14s} " + " ".join(f"{k}={v}" for k, v in out[name].items()), flush=True)
     record = {"build": str(args.build_dir), "prompts": args.prompts, "setting": setting.description,
               "max_new_tokens": args.max_new_tokens, "runs": args.runs, "results": out,

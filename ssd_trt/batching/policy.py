@@ -119,7 +119,7 @@ def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield, rows:
     for draft_len in range(1, settings.draft_len + 1):
         candidate = ssd_option(settings, draft_len, settings.backup)
         verify = costs.cost("target", batch, draft_len + 1)
-        speculate = costs.cost("draft", rows, candidate.tree_tokens) * draft_len + \
+        speculate = costs.cost("draft", rows, candidate.step_tokens) * draft_len + \
             costs.cost("draft", rows, draft_len + 1)
         for backup in backups:
             per_round = 1 + p_hit * measured.acceptance(draft_len, "primary") + \

@@ -148,6 +148,12 @@ class SSD:
         return ssd_tree_tokens(self.draft_len, self.fan_out_budget)
 
     @property
+    def step_tokens(self) -> int:
+        """Tokens each of the K tree-decode steps feeds per row: one when the budget is one guess (the branch is a
+        chain behind the glue, ``saguaro.DraftWorker._chain_decode``), else the whole tree re-fed."""
+        return 1 if self.fan_out_budget == 1 else self.tree_tokens
+
+    @property
     def headroom(self) -> int:
         return self.tree_tokens
 
