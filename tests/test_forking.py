@@ -98,3 +98,31 @@ def test_ranked_forks_keep_the_shape_and_put_lookup_first():
     logits = np.log(np.array([[0.5, 0.3, 0.1, 0.06, 0.04], [0.1, 0.2, 0.3, 0.25, 0.15]]))
     forks = ranked_forks(logits, [0], [2, 3], [[(4, 1), (0, 2)], []])
     assert forks == [(0, 4), (0, 1), (1, 2), (1, 3), (1, 1)]     # own token 0 skipped at j=0; j=K keeps all
+
+
+def test_one_guess_a_row_drafts_its_branch_as_a_chain_not_as_a_re_fed_tree(tiny_pairs):
+    """With a budget of one guess, the draft's steps after the glue decode feed one token a row (its cache keeps the
+    glue up to the fork); with two, each tree step re-feeds glue and branches. Both stay token-identical to AR."""
+    import ssd_trt
+    gen = ssd_trt.load(tiny_pairs["perturbed"])
+    draft = gen.engine("draft")
+    fed: list[int] = []
+    forward_rows = draft.forward_rows      # what the draft lane's row views step through (engines/ort.py)
+
+    def recording(start, stop, input_ids, *args, **kwargs):
+        fed.append(input_ids.shape[1])
+        return forward_rows(start, stop, input_ids, *args, **kwargs)
+
+    draft.forward_rows = recording
+    params = ssd_trt.SamplingParams(max_new_tokens=24, stop_on_eos=False)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    expected = [r.token_ids for r in gen.generate_ids(prompts, params, mode="ar")]
+    total = {}
+    for budget in (1, 2):
+        fed.clear()
+        mode = ssd_trt.SSD(draft_len=3, fan_out_budget=budget, backup="jit", lookup_forks=0)
+        assert [r.token_ids for r in gen.generate_ids(prompts, params, mode=mode)] == expected, budget
+        total[budget] = sum(fed)
+    # a round at K=3: one guess feeds the glue (4) then 1 + 1 + 1 (a chain: 7 tokens); re-fed as a tree it would be
+    # 4 + 5 + 6 + 7 = 22, and two guesses are 4 + 6 + 8 + 10 = 28
+    assert total[1] < 0.5 * total[2], total
