@@ -13,8 +13,8 @@ if [ "${1:-}" = "--pair" ]; then
   # (sha256-checked), builds them, and compares AR, SD and SSD with llama.cpp's AR (llama-bench) and its own
   # speculative decoding (llama-speculative, the 0.5B as draft) on the same files, paper-style and at equal cores,
   # on code and chat prompts (ssd_trt/bench/prompts/pair.jsonl; tuning split pair_tuning.jsonl): JSON + PNGs in
-  # docs/bench/real_pair/. Then the default mode as a user gets it (adaptive SSD) against AR, interleaved.
-  # llama.cpp rows need `SKIP_BINDING=1 bash scripts/install_llama_cpp.sh`. ~1 h on 2 idle cores.
+  # docs/bench/real_pair/. llama.cpp rows need `SKIP_BINDING=1 bash scripts/install_llama_cpp.sh`. ~12 min on 2
+  # idle cores once built (the sweep that chose the defaults: research/real_pair/sweep_pair.py).
   case "${2:-}" in
     qwen2.5-coder) ;;
     *) echo "bench.sh: --pair takes qwen2.5-coder (the pair python -m ssd_trt.models.fetch knows)" >&2; exit 2 ;;
@@ -25,12 +25,7 @@ if [ "${1:-}" = "--pair" ]; then
   $PY -m ssd_trt.build recipes/qwen2.5-coder-1.5b.yaml --if-stale
   $PY -m ssd_trt.bench build/qwen2.5-coder-1.5b --chat --prompts ssd_trt/bench/prompts/pair.jsonl \
     --tuning-prompts ssd_trt/bench/prompts/pair_tuning.jsonl --baselines llama_bench,llama_speculative \
-    --max-new-tokens ${NEW_TOKENS:-96} --sampling greedy --build-defaults --out "$OUT" "$@"
-  for sampling in greedy t0.7-p0.9; do
-    $PY -m ssd_trt.bench.interleaved build/qwen2.5-coder-1.5b --chat --prompts ssd_trt/bench/prompts/pair.jsonl \
-      --tuning-prompts ssd_trt/bench/prompts/pair_tuning.jsonl --modes ar,sd,ssd --setting paper \
-      --sampling $sampling --runs ${RUNS:-3} --max-new-tokens ${NEW_TOKENS:-96} --out "$OUT/interleaved_$sampling"
-  done
+    --max-new-tokens ${NEW_TOKENS:-64} --sampling ${SAMPLING:-greedy} --build-defaults --out "$OUT" "$@"
   exit 0
 fi
 $PY -m ssd_trt.build recipes/smollm2-135m.yaml --if-stale --tune   # rebuilds when the recipe or a model changed;
