@@ -118,3 +118,34 @@ def test_a_file_that_is_not_gguf_is_refused_clearly(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(RecipeError, match="not a readable GGUF file"):
         GGUFCheckpoint.open(bad)
+
+
+def test_a_bounded_check_cut_to_the_first_tokens_reads_the_first_rows_of_the_embedding_and_head(tmp_path):
+    # the real pair's build validates on the vocabulary's first tokens (export/bounded_checks.CHECK_TOKENS): the cut
+    # must read exactly the full tensors' first rows, as floats and as the head's own blocks
+    from ssd_trt.export.streamed import first_tokens
+    from ssd_trt.models.gguf_checkpoint import GGUFCheckpoint
+    full = GGUFCheckpoint.open(write_tiny_qwen2(tmp_path / "tiny.gguf"))
+    cut = first_tokens(full, 64)
+    assert (cut.config.vocab_size, cut.hf_config["vocab_size"], full.config.vocab_size) == (64, 64, VOCAB)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert cut.tensors[name].shape == (64, HIDDEN)
+        assert np.array_equal(cut.tensor(name).numpy(), full.tensor(name).numpy()[:64]), name
+    head = cut.blocks("lm_head.weight")                        # W^T [K, N]: the vocabulary is N
+    assert head.kind == "Q6_K" and head.values.shape == (HIDDEN, 64)
+    assert np.array_equal(head.dequantize(), full.blocks("lm_head.weight").dequantize()[:, :64])
+    assert np.array_equal(cut.tensor("model.layers.0.mlp.down_proj.weight").numpy(),
+                          full.tensor("model.layers.0.mlp.down_proj.weight").numpy())   # other tensors whole
+    assert first_tokens(full, VOCAB) is full
+
+
+def test_bounded_validation_on_a_vocabulary_cut_runs_the_file_blocks_graph_and_says_what_it_covered(tmp_path,
+                                                                                                  monkeypatch):
+    from ssd_trt.export import bounded_checks
+    from ssd_trt.models.gguf_checkpoint import GGUFCheckpoint
+    checkpoint = GGUFCheckpoint.open(write_tiny_qwen2(tmp_path / "tiny.gguf"))
+    monkeypatch.setattr(bounded_checks, "CHECK_TOKENS", 96)
+    results = bounded_checks.bounded_validation(checkpoint, 1, None, [(1, 1), (2, 3)], 64, file_blocks=True)
+    result = results["ort"]
+    assert result["passed"], result
+    assert "first 1 of 2 decoder layers" in result["scope"] and f"first 96 of its {VOCAB} tokens" in result["scope"]

@@ -1,7 +1,7 @@
 """The build's checks for a streamed (large) model: real, at full width, on the checkpoint's first layers.
 
 A model too large to hold twice in fp32 is checked through its first ``layers`` decoder layers with the real
-embedding, final norm and LM head (``streamed.first_layers``):
+embedding, final norm and LM head, cut to the vocabulary's first ``CHECK_TOKENS`` tokens (``checked_cut``):
 
 * **parity**: the project's decoder against transformers' implementation of the same cut checkpoint (fp32
   logits on a fixed token sequence), as ``parity.transformers_parity`` does for a whole small model;
@@ -22,15 +22,28 @@ import torch
 
 from ssd_trt.export.onnx_export import save_flavours
 from ssd_trt.export.parity import PARITY_TOKENS, decoder_logits
-from ssd_trt.export.streamed import export_streamed, first_layers, reference_decoder
+from ssd_trt.export.streamed import export_streamed, first_layers, first_tokens, reference_decoder
 from ssd_trt.export.validate import validate_with_polygraphy
 from ssd_trt.models.checkpoint import Checkpoint
 
 
+# tokens of the vocabulary a bounded check keeps (embedding and head rows): every head kernel and block kind is
+# exercised on them as on the full rows, without holding several fp32 copies of a 150k-token head and embedding
+CHECK_TOKENS = 8192
+
+
+def checked_cut(checkpoint: Checkpoint, layers: int) -> Checkpoint:
+    """What the bounded checks run: the first ``layers`` decoder layers, the first ``CHECK_TOKENS`` tokens."""
+    return first_tokens(first_layers(checkpoint, layers), CHECK_TOKENS)
+
+
 def scope(checkpoint: Checkpoint, layers: int) -> str:
     total = checkpoint.config.num_layers
+    tokens = checked_cut(checkpoint, layers).config.vocab_size
+    vocab = checkpoint.config.vocab_size
+    rows = "" if tokens == vocab else f", cut to the first {tokens} of its {vocab} tokens"
     return (f"the first {min(layers, total)} of {total} decoder layers at full width, with the real embedding, "
-            "final norm and LM head (the full graph is written by the same code; its structure is checked)")
+            f"final norm and LM head{rows} (the full graph is written by the same code; its structure is checked)")
 
 
 def bounded_parity(checkpoint: Checkpoint, layers: int) -> dict:
@@ -38,7 +51,7 @@ def bounded_parity(checkpoint: Checkpoint, layers: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ssd_trt.models.loading import decoder_from_checkpoint
-    cut = first_layers(checkpoint, layers)
+    cut = checked_cut(checkpoint, layers)
     state = {name: cut.tensor(name).float() for name in cut.tensors}
     ours = decoder_from_checkpoint(cut.hf_config, state)
     ids = torch.tensor([[t % cut.config.vocab_size for t in PARITY_TOKENS]])
@@ -81,7 +94,7 @@ def bounded_validation(checkpoint: Checkpoint, layers: int, bits: int | None, sh
     is given; ``{"ort": result, "rtx": result}``."""
     from ssd_trt.export.native_graph import native_flavour
     from ssd_trt.export.streamed_fused import export_ort_graph
-    cut = first_layers(checkpoint, layers)
+    cut = checked_cut(checkpoint, layers)
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch)

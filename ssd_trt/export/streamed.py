@@ -273,3 +273,31 @@ def first_layers(checkpoint: Checkpoint, count: int) -> Checkpoint:
     return dataclasses.replace(checkpoint, hf_config=hf, config=dataclasses.replace(checkpoint.config, num_layers=count),
                                tensors=tensors)
 
+
+# the tensors whose rows are the vocabulary's tokens
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def first_tokens(checkpoint: Checkpoint, count: int) -> Checkpoint:
+    """The checkpoint cut to the first ``count`` tokens of its vocabulary: the embedding's and the head's first
+    rows, read as the full tensors' leading bytes (rows are contiguous in safetensors and GGUF alike). A bounded
+    check's graph is written by the same code either way; at a 150k vocabulary the full rows' fp32 copies (torch
+    reference, ONNX Runtime session, the dequantized head) were most of the build's peak memory. A reduced head
+    (``lm_head_token_ids``) is left whole: its rows are not the first tokens."""
+    config = checkpoint.config
+    if count >= config.vocab_size or config.head_vocab_size is not None:
+        return checkpoint
+    tensors = dict(checkpoint.tensors)
+    for name in VOCAB_TENSORS:
+        if name in tensors:
+            info = tensors[name]
+            tensors[name] = dataclasses.replace(info, shape=(count, *info.shape[1:]),
+                                                nbytes=info.nbytes // info.shape[0] * count)
+    hf = {**checkpoint.hf_config, "vocab_size": count}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):     # special tokens past the cut are not in it
+        ids = hf.get(key)
+        if isinstance(ids, int) and ids >= count or isinstance(ids, list) and any(i >= count for i in ids):
+            hf[key] = None
+    return dataclasses.replace(checkpoint, hf_config=hf, config=dataclasses.replace(config, vocab_size=count),
+                               tensors=tensors)
+

@@ -53,8 +53,8 @@ def plan_exports(recipe: Recipe, sources: dict, host_bytes: int | None) -> tuple
         else:
             checkpoint = Checkpoint.open(source.path)
         if role == "target" and ranks > 1:     # from the config alone: before any weight is read or file written
-            from ssd_trt.models.rank_decoder import split_for
-            split = split_for(checkpoint.config, ranks, f"the target {source.path}")
+            from ssd_trt.models.sharding import rank_split
+            split = rank_split(checkpoint.config, ranks, f"the target {source.path}")
         # a tensor-parallel target is always streamed: its rank graphs are written from the checkpoint's tensors
         auto = spec.export == "auto" and 4 * checkpoint.num_params > STREAM_ABOVE_BYTES
         streamed = spec.export == "streamed" or auto or (role == "target" and split is not None)
@@ -65,8 +65,8 @@ def plan_exports(recipe: Recipe, sources: dict, host_bytes: int | None) -> tuple
         if spec.weights == "gguf" and source.kind != "gguf":
             raise RecipeError(f"{role}: weights: gguf keeps a GGUF file's own blocks, but {source.path} is not a .gguf "
                               f"file; use weights: float, int8 or int4 for this model")
-        from ssd_trt.export.streamed import first_layers
-        checked = first_layers(checkpoint, spec.check_layers).num_params
+        from ssd_trt.export.bounded_checks import checked_cut
+        checked = checked_cut(checkpoint, spec.check_layers).num_params
         plans.append(host_memory.MemoryPlan(role, "streamed", checkpoint.num_params,
                                             host_memory.streamed_peak(checkpoint.largest_tensor_numel, checked)))
         checkpoints[role] = checkpoint
@@ -127,10 +127,9 @@ def check_tensor_parallel_recipe(recipe: Recipe, sources: dict) -> None:
 def _rank_plan_params(checkpoint, split) -> int:
     """Parameters in one rank's plan: its share of the layers, the whole embedding and head (a tied head's copy too:
     the graph holds it as its own weight)."""
-    from ssd_trt.models.sharding import rank_params
     shapes = {name: info.shape for name, info in checkpoint.tensors.items() if info.dtype != "I64"}
     tied = checkpoint.config.tie_word_embeddings and "lm_head.weight" not in checkpoint.tensors
-    return rank_params(shapes, split) + (checkpoint.tensors["model.embed_tokens.weight"].numel if tied else 0)
+    return split.shard_numel(shapes) + (checkpoint.tensors["model.embed_tokens.weight"].numel if tied else 0)
 
 
 def _builds_plans_here(recipe: Recipe) -> bool:
@@ -207,11 +206,11 @@ def export_tensor_parallel_role(recipe: Recipe, role: str, checkpoint, out: Path
     from ssd_trt.export.onnx_export import save_engine_flavours
     from ssd_trt.export.tensor_parallel import export_rank_graphs, rank_dir, rank_record
     from ssd_trt.export.tensor_parallel_check import bounded_rank_validation
-    from ssd_trt.models.rank_decoder import split_for
+    from ssd_trt.models.sharding import rank_split
     from ssd_trt.trt.engine_build import PRECISION_DTYPES
 
     spec, editions, engine = getattr(recipe, role), editions_for(recipe.engine.tensorrt), recipe.engine
-    split = split_for(checkpoint.config, engine.tensor_parallel, f"the {role} {checkpoint.directory}")
+    split = rank_split(checkpoint.config, engine.tensor_parallel, f"the {role} {checkpoint.directory}")
     step(f"parity {role} (first {spec.check_layers} layers)")
     parity = bounded_parity(checkpoint, spec.check_layers)
     step(f"export {role} ({split.ranks} tensor-parallel ranks, streamed)")

@@ -154,7 +154,9 @@ class GGUFCheckpoint(Checkpoint):
         import gguf
         source = self.sources[name]
         kind = source.tensor_type
-        raw = np.asarray(source.data)
+        # the first rows only when the checkpoint is cut to its first tokens (export/streamed.first_tokens): the
+        # reader's array is [rows, row bytes] for blocks, [rows, columns] for floats
+        raw = np.asarray(source.data)[:self.tensors[name].shape[0]]
         if kind.name in FLOAT_KINDS:
             values = raw.astype(np.float32)
         else:
@@ -175,7 +177,7 @@ class GGUFCheckpoint(Checkpoint):
             return None
         n, k = self.tensors[name].shape
         try:
-            weight = parse_blocks(np.asarray(source.data).reshape(n, -1), kind, k)
+            weight = parse_blocks(np.asarray(source.data)[:n].reshape(n, -1), kind, k)
         except ValueError as exc:
             raise RecipeError(f"{self.path}: tensor {source.name} ({name}): {exc}") from None
         self._drop_pages()
