@@ -160,6 +160,19 @@ def test_interleaved_runs_alternate_the_modes_and_report_each_runs_ratio_to_ar(t
     assert "| greedy |" in result.stdout
 
 
+def test_interleaved_modes_name_a_default_mode_or_a_hand_picked_setting_and_nothing_else():
+    from ssd_trt.bench.interleaved import mode_settings, parse
+    from ssd_trt.decoding.settings import SD, SSD
+    assert mode_settings("ssd") == SSD() and mode_settings("sd") == SD()
+    assert mode_settings("ssd-k2-b1") == SSD(draft_len=2, fan_out_budget=1)
+    assert mode_settings("sd-k3") == SD(draft_len=3)
+    for wrong in ("ssd-k2", "sd-k2-b1", "ssd-2-1", "tree"):
+        assert mode_settings(wrong) is None, wrong
+    assert parse(["b", "--modes", "ar,ssd,ssd-k2-b1,sd-k2"]).modes == ["ar", "ssd", "ssd-k2-b1", "sd-k2"]
+    with pytest.raises(SystemExit):
+        parse(["b", "--modes", "ar,ssd-k2"])
+
+
 def test_a_round_whose_speculating_rows_had_finished_leaves_no_timeline_entry():
     """``python -m ssd_trt.bench`` died in the speed model (IndexError on an empty ``source``) when an SSD round ran
     with its only speculating row already finished: such a round has nothing to plot."""

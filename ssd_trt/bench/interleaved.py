@@ -1,11 +1,13 @@
 """``python -m ssd_trt.bench.interleaved BUILD_DIR``: modes as a user gets them, against AR, in interleaved runs.
 
-Each mode is given by name only (``ssd``: the default mode, which adapts K, the budget and the round kind to what it
-measures; ``sd``: SD at the build's K), under one hardware setting (``--setting``, default equal cores: AR may use
+Each mode is given by name (``ssd``: the default mode, which adapts K, the budget and the round kind to what it
+measures; ``sd``: SD at the build's K) or as a hand-picked setting (``ssd-k2-b1``: SSD at K=2 with a fan-out budget
+of 1; ``sd-k3``: SD at K=3), under one hardware setting (``--setting``, default equal cores: AR may use
 both cores; SSD's target uses the draft's core whenever the draft is idle). Every run times each mode over the same
 prompts, batch 1, the modes' order alternating from run to run, so the machine's drift (up to 2x within minutes on
 the shared machines this runs on) falls on every mode alike. Reported per preset: each run's tokens/s per mode, each
-run's ratio to AR, and their medians. A long-lived process is what is measured: each mode's engines are opened, and
+run's ratio to AR, and their medians; with hand-picked settings beside ``ssd``, also the default's ratio to the
+fastest of them in each run (``ssd_vs_best_hand_picked``). A long-lived process is what is measured: each mode's engines are opened, and
 the adaptive policy's step times taken, on one untimed tuning prompt first. Every request generates exactly
 ``--max-new-tokens`` (EOS ignored): sampled modes draw other texts than AR, and texts of other lengths would weigh
 the prompts' prefill differently.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import re
 import statistics
 import sys
 from dataclasses import replace
@@ -26,7 +29,7 @@ from ssd_trt.bench.artifact import write_artifact
 from ssd_trt.bench.prompts import DEFAULT_PROMPTS, TUNING_PROMPTS, load_prompts
 from ssd_trt.bench.runner import LoadedBuilds, run_engine, summarise
 from ssd_trt.bench.settings import PRESETS, SETTINGS
-from ssd_trt.decoding.settings import MODES, as_settings
+from ssd_trt.decoding.settings import MODES, SD, SSD, Settings, as_settings
 from ssd_trt.errors import SsdTrtError
 
 
@@ -36,7 +39,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field")
     p.add_argument("--tuning-prompts", type=Path, default=TUNING_PROMPTS,
                    help="JSONL whose first prompt warms each mode up, untimed (disjoint from --prompts)")
-    p.add_argument("--modes", default="ar,ssd", help=f"comma list of mode names ({', '.join(MODES)}); ar first")
+    p.add_argument("--modes", default="ar,ssd",
+                   help=f"comma list of mode names ({', '.join(MODES)}) or hand-picked settings (sd-k3, ssd-k2-b1); "
+                        "ar first")
     p.add_argument("--sampling", default=",".join(PRESETS), help=f"comma list of presets: {', '.join(PRESETS)}")
     p.add_argument("--setting", default="equal", choices=sorted(SETTINGS))
     p.add_argument("--runs", type=int, default=3)
@@ -46,9 +51,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/interleaved.json"))
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
-    if args.modes[0] != "ar" or any(m not in MODES for m in args.modes):
-        p.error(f"--modes must start with ar and name modes among {', '.join(MODES)}, got {args.modes}")
+    if not args.modes or args.modes[0] != "ar" or any(mode_settings(m) is None for m in args.modes):
+        p.error(f"--modes must start with ar and name modes among {', '.join(MODES)} or hand-picked settings such as "
+                f"sd-k3 and ssd-k2-b1, got {args.modes}")
     return args
+
+
+HAND_PICKED = re.compile(r"^(?P<mode>sd|ssd)-k(?P<k>\d+)(?:-b(?P<b>\d+))?$")
+
+
+def mode_settings(spec: str) -> Settings | None:
+    """The settings a ``--modes`` entry names: a mode as a user gets it, or a hand-picked K (and SSD's budget);
+    None when it names neither."""
+    if spec in MODES:
+        return as_settings(spec)
+    found = HAND_PICKED.match(spec)
+    if found is None or (found["mode"] == "sd") != (found["b"] is None):
+        return None
+    k = int(found["k"])
+    return SD(draft_len=k) if found["mode"] == "sd" else SSD(draft_len=k, fan_out_budget=int(found["b"]))
 
 
 def first_per_category(prompts, limit: int):
@@ -74,11 +95,11 @@ def measure(args) -> dict:
     for name in args.sampling.split(","):
         params = replace(PRESETS[name].params(args.max_new_tokens), stop_on_eos=False)
         for mode in args.modes:                     # engines opened, the adaptive policy's steps timed: untimed
-            run_engine(builds, args.build_dir, setting, as_settings(mode), warmup, warm_ids, params, label="warm-up")
+            run_engine(builds, args.build_dir, setting, mode_settings(mode), warmup, warm_ids, params, label="warm-up")
         runs = []
         for run in tqdm(range(args.runs), desc=f"{name}: interleaved runs", unit="run"):
             order = args.modes if run % 2 == 0 else args.modes[::-1]
-            rates = {mode: summarise(run_engine(builds, args.build_dir, setting, as_settings(mode), prompts,
+            rates = {mode: summarise(run_engine(builds, args.build_dir, setting, mode_settings(mode), prompts,
                                                 encoded, params, label=f"run {run} {mode}"), None)["tokens_per_s"]
                      for mode in order}
             runs.append({"order": order, "tokens_per_s": rates,
@@ -88,6 +109,10 @@ def measure(args) -> dict:
                                       for mode in args.modes if mode != "ar"},
                      "median_tokens_per_s": {mode: statistics.median(r["tokens_per_s"][mode] for r in runs)
                                              for mode in args.modes}}
+        picked = [mode for mode in args.modes if mode.startswith("ssd-")]
+        if "ssd" in args.modes and picked:     # the default against the best hand-picked point of the same run
+            out[name]["ssd_vs_best_hand_picked"] = statistics.median(
+                r["tokens_per_s"]["ssd"] / max(r["tokens_per_s"][mode] for mode in picked) for r in runs)
     return {"build": str(args.build_dir), "setting": setting.description, "prompts": len(prompts),
             "limit_per_category": args.limit_per_category, "max_new_tokens": args.max_new_tokens, "chat": args.chat,
             "modes": args.modes, "date": datetime.datetime.now().isoformat(timespec="seconds"),
