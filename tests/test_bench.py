@@ -149,6 +149,7 @@ def test_interleaved_runs_alternate_the_modes_and_report_each_runs_ratio_to_ar(t
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["prompts"] == 2 and set(report["presets"]) == {"greedy", "t1-k50"}
+    categories = {json.loads(line).get("category", "default") for line in measured.read_text().splitlines()}
     for preset in report["presets"].values():
         runs = preset["runs"]
         assert [r["order"] for r in runs] == [["ar", "sd", "ssd"], ["ssd", "sd", "ar"], ["ar", "sd", "ssd"]]
@@ -156,6 +157,9 @@ def test_interleaved_runs_alternate_the_modes_and_report_each_runs_ratio_to_ar(t
             assert run["vs_ar"] == {m: pytest.approx(run["tokens_per_s"][m] / run["tokens_per_s"]["ar"])
                                     for m in ("sd", "ssd")}
         assert preset["median_vs_ar"]["ssd"] == pytest.approx(sorted(r["vs_ar"]["ssd"] for r in runs)[1])
+        for run in runs:       # each category's rates come from its own prompts (one a category here)
+            assert set(run["by_category"]) == categories and all(
+                set(rates) == {"ar", "sd", "ssd"} for rates in run["by_category"].values())
     assert out.with_suffix(".png").is_file()
     assert "| greedy |" in result.stdout
 

@@ -91,6 +91,7 @@ def measure(args) -> dict:
     probe = builds.get(args.build_dir, setting, "ar")
     encoded = [probe.encode(p.prompt, chat=args.chat) for p in prompts]
     warm_ids = [probe.encode(p.prompt, chat=args.chat) for p in warmup]
+    categories = sorted({p.category for p in prompts})
     out = {}
     for name in args.sampling.split(","):
         params = replace(PRESETS[name].params(args.max_new_tokens), stop_on_eos=False)
@@ -99,16 +100,29 @@ def measure(args) -> dict:
         runs = []
         for run in tqdm(range(args.runs), desc=f"{name}: interleaved runs", unit="run"):
             order = args.modes if run % 2 == 0 else args.modes[::-1]
-            rates = {mode: summarise(run_engine(builds, args.build_dir, setting, mode_settings(mode), prompts,
-                                                encoded, params, label=f"run {run} {mode}"), None)["tokens_per_s"]
-                     for mode in order}
+            measured = {mode: run_engine(builds, args.build_dir, setting, mode_settings(mode), prompts, encoded,
+                                         params, label=f"run {run} {mode}") for mode in order}
+            summaries = {mode: summarise(measured[mode], None) for mode in order}
+            rates = {mode: summaries[mode]["tokens_per_s"] for mode in order}
+            by_category = {category: {mode: summarise([r for r, p in zip(measured[mode], prompts)
+                                                       if p.category == category], None)["tokens_per_s"]
+                                      for mode in order}
+                           for category in categories}
             runs.append({"order": order, "tokens_per_s": rates,
-                         "vs_ar": {mode: rates[mode] / rates["ar"] for mode in args.modes if mode != "ar"}})
+                         "decode_tokens_per_s": {mode: summaries[mode]["decode_tokens_per_s"] for mode in order},
+                         "mean_accepted": {mode: summaries[mode]["mean_accepted"] for mode in order},
+                         "cache_hit_rate": {mode: summaries[mode]["cache_hit_rate"] for mode in order},
+                         "vs_ar": {mode: rates[mode] / rates["ar"] for mode in args.modes if mode != "ar"},
+                         "by_category": by_category})
         out[name] = {"params": PRESETS[name].describe(), "runs": runs,
                      "median_vs_ar": {mode: statistics.median(r["vs_ar"][mode] for r in runs)
                                       for mode in args.modes if mode != "ar"},
                      "median_tokens_per_s": {mode: statistics.median(r["tokens_per_s"][mode] for r in runs)
                                              for mode in args.modes}}
+        out[name]["median_vs_ar_by_category"] = {
+            category: {mode: statistics.median(r["by_category"][category][mode] / r["by_category"][category]["ar"]
+                                               for r in runs) for mode in args.modes if mode != "ar"}
+            for category in categories}
         picked = [mode for mode in args.modes if mode.startswith("ssd-")]
         if "ssd" in args.modes and picked:     # the default against the best hand-picked point of the same run
             out[name]["ssd_vs_best_hand_picked"] = statistics.median(
@@ -130,6 +144,12 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(per_run) + " | "
                      + " | ".join(f"{entry['median_vs_ar'][m]:.2f}" for m in others)
                      + f" | {entry['median_tokens_per_s']['ar']:.1f} |")
+        for category, medians in entry.get("median_vs_ar_by_category", {}).items():
+            lines.append(f"| {name}, {category} | " + " | ".join(
+                ", ".join(f"{r['by_category'][category][m] / r['by_category'][category]['ar']:.2f}"
+                          for r in entry["runs"]) for m in others) + " | "
+                + " | ".join(f"{medians[m]:.2f}" for m in others) + " | "
+                + f"{statistics.median(r['by_category'][category]['ar'] for r in entry['runs']):.1f} |")
     return "\n".join(lines)
 
 
