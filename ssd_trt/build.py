@@ -306,8 +306,8 @@ def build_for_torch(recipe: Recipe, recipe_path: Path, sources: dict, out: Path,
                           f"{', '.join(bad)}; use engine.backend: auto for this pair")
     checkpoints = {role: Checkpoint.open(sources[role].path) for role in ROLES}
     if recipe.engine.tensor_parallel > 1:   # the runtime splits the target as it loads it: the split must exist
-        from ssd_trt.models.rank_decoder import split_for
-        split_for(checkpoints["target"].config, recipe.engine.tensor_parallel, f"the target {sources['target'].path}")
+        from ssd_trt.models.sharding import rank_split
+        rank_split(checkpoints["target"].config, recipe.engine.tensor_parallel, f"the target {sources['target'].path}")
     prepare_output_dir(out, recipe, force)
     started = time.time()
     tokenizers, models = {}, {}

@@ -14,6 +14,7 @@ import yaml
 
 from ssd_trt.build import main as build_main
 from ssd_trt.models.config import DecoderConfig
+from ssd_trt.models.sharding import rank_split
 from ssd_trt.recipe import load_recipe
 from ssd_trt.sizing.advice import suggestions
 from ssd_trt.sizing.configs import model_configs
@@ -21,7 +22,7 @@ from ssd_trt.sizing.fit import plan_fit, with_engine
 from ssd_trt.sizing.formats import INT4_BYTES, engine_formats
 from ssd_trt.sizing.memory import GIB, kv_cache_bytes, weight_bytes
 from ssd_trt.sizing.report import render
-from ssd_trt.sizing.shards import rank_params, rank_split
+from ssd_trt.sizing.shards import rank_params
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "data" / "configs"

@@ -32,7 +32,8 @@ from ssd_trt.engines.tensor_parallel import TensorParallelEngine
 from ssd_trt.errors import ConfigError, EngineError, RecipeError
 from ssd_trt.export.parity import decoder_logits
 from ssd_trt.models.config import DecoderConfig
-from ssd_trt.models.rank_decoder import rank_decoder, split_for
+from ssd_trt.models.rank_decoder import rank_decoder
+from ssd_trt.models.sharding import rank_split
 from ssd_trt.options import RuntimeOptions
 from tests.helpers import perturbed, random_decoder, save_hf_checkpoint, write_recipe
 from tests.step_script import step_script
@@ -170,7 +171,7 @@ def test_a_split_the_sizes_do_not_allow_says_why_and_which_would_work(heads, kv_
                               "intermediate_size": mlp, "head_dim": 8})
     with pytest.raises(RecipeError, match=rf"engine.tensor_parallel: {ranks} cannot split this model: {problem}.*"
                                           r"choose one of \[1, 2"):
-        split_for(config, ranks, "this model")
+        rank_split(config, ranks, "this model")
 
 
 def test_a_build_whose_heads_do_not_split_is_refused_before_any_weight_is_read(pair, monkeypatch):

@@ -27,9 +27,9 @@ import yaml
 
 from ssd_trt.engines.editions import DATACENTER, RTX
 from ssd_trt.errors import ArtifactError, RecipeError
-from ssd_trt.export.tensor_parallel import MARKER_PREFIX, export_rank_graphs, marker_nodes, rank_dir
+from ssd_trt.export.tensor_parallel import export_rank_graphs, rank_dir
 from ssd_trt.models.checkpoint import Checkpoint
-from ssd_trt.models.sharding import check_split
+from ssd_trt.models.sharding import MARKER_PREFIX, marker_nodes, rank_split
 from tests.helpers import random_decoder, save_hf_checkpoint, tiny_config, write_random_checkpoint, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_one_rank_graph_alone_is_not_the_model(tmp_path):
     from ssd_trt.export.validate import sample_feeds
     from ssd_trt.models.loading import decoder_from_checkpoint
     checkpoint = Checkpoint.open(gqa_checkpoint(tmp_path / "ckpt", num_layers=1))
-    split = check_split(checkpoint.config, 2, "the test model")
+    split = rank_split(checkpoint.config, 2, "the test model")
     ranks = export_rank_graphs(checkpoint, split, tmp_path / "target", "weights.trt.bin", torch.float32)
     path = rank_dir(tmp_path / "target", 0) / "model.ort.onnx"
     onnx.save_model(ort_flavour(ranks.graphs[0]), path)
@@ -104,7 +104,7 @@ def test_each_rank_holds_its_megatron_slice_and_two_markers_per_layer(tmp_path):
     128-255 of gate/up and rows of down; embedding, norms and head whole. Markers follow o_proj and down_proj."""
     from onnx import numpy_helper
     checkpoint = Checkpoint.open(gqa_checkpoint(tmp_path / "ckpt"))
-    split = check_split(checkpoint.config, 2, "the test model")
+    split = rank_split(checkpoint.config, 2, "the test model")
     ranks = export_rank_graphs(checkpoint, split, tmp_path / "target", "weights.trt.bin", torch.float16)
     assert ranks.markers == 2 * LAYERS
     graph = ranks.graphs[1]
@@ -137,7 +137,7 @@ def test_the_plan_build_checks_the_markers_for_either_edition(tmp_path):
     from ssd_trt.export.onnx_export import save_engine_flavours
     from ssd_trt.trt.engine_build import TensorRTUnavailable, build_engine, check_markers
     checkpoint = Checkpoint.open(gqa_checkpoint(tmp_path / "ckpt"))
-    split = check_split(checkpoint.config, 2, "the test model")
+    split = rank_split(checkpoint.config, 2, "the test model")
     ranks = export_rank_graphs(checkpoint, split, tmp_path / "target", "weights.trt.bin", torch.float16)
     paths = save_engine_flavours(ranks.graphs[0], rank_dir(tmp_path / "target", 0), datacenter=True,
                                  native=native_flavour(ranks.graphs[0], 128, GQA.vocab_size))

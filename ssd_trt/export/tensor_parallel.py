@@ -1,10 +1,11 @@
 """The target's step graph split over ``engine.tensor_parallel`` ranks: one graph and one weight file per rank.
 
-Each rank's graph is the decoder of its share of the model (``models/sharding.py``: its query heads, the key/value
-heads they read, its MLP columns; embedding, norms and LM head whole), traced once as a weightless skeleton
+Each rank's graph is the decoder of its share of the model (``models/sharding.py``'s table: its query heads, the
+key/value heads they read, its MLP columns; embedding, norms and LM head whole), traced once as a weightless skeleton
 (``streamed.skeleton``): every rank has the same graph, only the weights differ. The two row-split products of each
-decoder layer (attention's o_proj and the MLP's down_proj) give partial sums; each is followed by an all-reduce
-*marker*, an ``Identity`` node named ``tp_all_reduce/layers.<i>.<module>``. ONNX has no all-reduce op and TensorRT's
+decoder layer (attention's o_proj and the MLP's down_proj: the table's ``REDUCED``) give partial sums; each is
+followed by an all-reduce *marker*, an ``Identity`` node named ``tp_all_reduce/layers.<i>.<module>``
+(``sharding.marker_name``). ONNX has no all-reduce op and TensorRT's
 ONNX parser takes no custom node without a plugin, but it imports an Identity as a layer of the node's name, so the
 TensorRT build finds every marker by name and puts its native all-reduce layer in its place
 (``trt/collectives.py``). ONNX Runtime would run a marker as the identity, i.e. compute a wrong (partial) model:
@@ -17,7 +18,6 @@ never a rank's whole layer.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,26 +28,16 @@ from onnx import helper
 from ssd_trt.export.onnx_export import WEIGHT_PREFIX, trace_step_graph
 from ssd_trt.export.streamed import Binding, ExternalWeights, check_structure, hf_name, skeleton, write_float
 from ssd_trt.models.checkpoint import Checkpoint
-from ssd_trt.models.sharding import Split
-
-MARKER_PREFIX = "tp_all_reduce/"
-# the weights whose products are partial sums over the ranks, in the order they come in a layer
-REDUCED = ("self_attn.o_proj", "mlp.down_proj")
-MARKER = re.compile(r"^" + re.escape(MARKER_PREFIX) + r"layers\.(\d+)\.(self_attn\.o_proj|mlp\.down_proj)$")
+from ssd_trt.models.sharding import MARKER_PREFIX, REDUCED, Split, marker_name
 
 
 def rank_dir(role_dir: Path, rank: int) -> Path:
     return role_dir / f"rank{rank}"
 
 
-def marker_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The all-reduce markers of a rank graph, in graph order."""
-    return [node for node in model.graph.node if node.op_type == "Identity" and MARKER.match(node.name)]
-
-
 def mark_all_reduces(model: onnx.ModelProto, num_layers: int) -> int:
-    """Put an all-reduce marker after the product of every o_proj and down_proj weight (in place); returns how
-    many (2 per layer). Every reader of the product reads the marker's output instead."""
+    """Put an all-reduce marker after the product of every reduced weight (o_proj and down_proj) in place; returns
+    how many (2 per layer). Every reader of the product reads the marker's output instead."""
     producers = {}
     for node in model.graph.node:
         if node.op_type == "MatMul" and node.input[1].startswith(WEIGHT_PREFIX):
@@ -60,7 +50,7 @@ def mark_all_reduces(model: onnx.ModelProto, num_layers: int) -> int:
             if product is None:
                 raise ValueError(f"the traced graph has no MatMul of layers.{layer}.{module}'s weight: the trace "
                                  "changed, so the all-reduce points cannot be placed")
-            name = f"{MARKER_PREFIX}layers.{layer}.{module}"
+            name = marker_name(layer, module)
             partial, reduced = product.output[0], f"{name}.sum"
             for node in nodes:
                 for index, value in enumerate(node.input):
@@ -143,7 +133,7 @@ def rank_record(split: Split, role: str, rank_files: list[dict[str, Path]], root
             "query_heads_per_rank": split.heads, "kv_heads_per_rank": split.kv_heads,
             "kv_head_replicas": split.kv_replicas, "mlp_columns_per_rank": split.intermediate,
             "replicated": "embedding, norms and LM head (whole on every rank)",
-            "all_reduce_points": f"after self_attn.o_proj and mlp.down_proj of each of the {c.num_layers} layers",
+            "all_reduce_points": f"after {' and '.join(REDUCED)} of each of the {c.num_layers} layers",
             "ranks": [{"rank": rank, "dir": rank_dir(Path(role), rank).as_posix(),
                        "files": {flavour: path.relative_to(root).as_posix() for flavour, path in files.items()},
                        "all_reduce_markers": markers}

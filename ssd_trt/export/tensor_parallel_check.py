@@ -17,10 +17,10 @@ import onnx
 import torch
 
 from ssd_trt.engines.base import GRAPH_INPUTS, GRAPH_OUTPUT_LOGITS
-from ssd_trt.export.tensor_parallel import MARKER, marker_nodes, rank_dir
+from ssd_trt.export.tensor_parallel import rank_dir
 from ssd_trt.export.validate import ATOL, sample_feeds
 from ssd_trt.models.decoder import Decoder
-from ssd_trt.models.sharding import Split
+from ssd_trt.models.sharding import MARKER, Split, marker_nodes, rank_split
 
 SHARED = frozenset(GRAPH_INPUTS)       # the step's inputs: the same on every rank
 
@@ -140,9 +140,8 @@ def bounded_rank_validation(checkpoint, layers: int, ranks: int, shapes: list[tu
     from ssd_trt.export.streamed import first_layers
     from ssd_trt.export.tensor_parallel import export_rank_graphs
     from ssd_trt.models.loading import decoder_from_checkpoint
-    from ssd_trt.models.sharding import check_split
     cut = first_layers(checkpoint, layers)
-    split = check_split(cut.config, ranks, "the checked layers")
+    split = rank_split(cut.config, ranks, "the checked layers")
     reference = decoder_from_checkpoint(cut.hf_config, {name: cut.tensor(name).float() for name in cut.tensors})
     results = {}
     with tempfile.TemporaryDirectory() as scratch:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ssd_trt.errors import RecipeError
-from ssd_trt.models.config import DecoderConfig
+from ssd_trt.models.config import DecoderConfig, decoder_config
 
 INDEX_NAME = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -96,12 +96,8 @@ class Checkpoint:
         hf = read_config_json(directory)
         tensors = _index_tensors(directory)
         head_ids = tensors.get("lm_head_token_ids")
-        try:
-            config = DecoderConfig.from_hf_dict(hf, head_vocab_size=None if head_ids is None else head_ids.numel)
-        except (KeyError, ValueError, TypeError) as exc:
-            detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise RecipeError(f"checkpoint {directory}: config.json does not describe a supported decoder "
-                              f"({detail}); ssd-trt builds Llama-family decoders (llama, qwen2, qwen3, mistral)") from None
+        config = decoder_config(hf, f"checkpoint {directory}: config.json",
+                                head_vocab_size=None if head_ids is None else head_ids.numel)
         checkpoint = cls(directory, hf, config, tensors)
         checkpoint._check_against_config()
         return checkpoint

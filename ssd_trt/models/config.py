@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ssd_trt.errors import RecipeError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_DECODERS = f"Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)})"   # what an error says ssd-trt builds
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +76,14 @@ class DecoderConfig:
     def kv_bytes_per_token(self) -> int:
         """fp32 bytes of K and V one token adds to the cache (all layers)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+
+
+def decoder_config(hf: dict[str, Any], where: str, head_vocab_size: int | None = None) -> DecoderConfig:
+    """The decoder an HF config dict describes; a RecipeError naming ``where`` and what ssd-trt builds when it
+    describes none (a missing key, an unsupported model_type or rope scaling, a malformed value)."""
+    try:
+        return DecoderConfig.from_hf_dict(hf, head_vocab_size)
+    except (KeyError, ValueError, TypeError) as exc:
+        detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise RecipeError(f"{where} does not describe a supported decoder ({detail}); ssd-trt builds "
+                          f"{SUPPORTED_DECODERS}") from None

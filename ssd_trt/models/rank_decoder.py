@@ -1,4 +1,4 @@
-"""One tensor-parallel rank's decoder: its shard of the target (the rules of ``models/sharding.py``) in the project's
+"""One tensor-parallel rank's decoder: its shard of the target (the table of ``models/sharding.py``) in the project's
 own :class:`~ssd_trt.models.decoder.Decoder`, with a sum over the ranks after each row-split product.
 
 Megatron-LM's layout (Shoeybi et al. 2019, as vLLM runs it): q/k/v and gate/up are split by output columns, o_proj
@@ -25,10 +25,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ssd_trt.errors import RecipeError
-from ssd_trt.models.config import DecoderConfig
 from ssd_trt.models.decoder import Decoder
-from ssd_trt.models.sharding import Split, check_split
+from ssd_trt.models.sharding import REDUCED, rank_split
 
 Reduce = Callable[[torch.Tensor], object]   # sums a tensor over the ranks, in place (torch.distributed.all_reduce)
 
@@ -52,19 +50,14 @@ class ReducedLinear(nn.Module):
 
 
 def with_all_reduce(model: Decoder, reduce: Reduce) -> Decoder:
-    """``model`` (a rank's shard) with the sum over the ranks after each layer's o_proj and down_proj."""
+    """``model`` (a rank's shard) with the sum over the ranks after each layer's row-split products (the table's
+    ``REDUCED``: o_proj and down_proj)."""
     for layer in model.layers:
-        layer.self_attn.o_proj = ReducedLinear(layer.self_attn.o_proj, reduce)
-        layer.mlp.down_proj = ReducedLinear(layer.mlp.down_proj, reduce)
+        for module in REDUCED:
+            parent, name = module.rsplit(".", 1)
+            owner = layer.get_submodule(parent)
+            setattr(owner, name, ReducedLinear(getattr(owner, name), reduce))
     return model
-
-
-def split_for(config: DecoderConfig, ranks: int, where: str) -> Split:
-    """The split of ``config`` over ``ranks``; a RecipeError (the recipe's engine.tensor_parallel) when it has none."""
-    try:
-        return check_split(config, ranks, where)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from None
 
 
 def _owned(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,7 +73,7 @@ def load_rank_decoder(path: Path | str, rank: int, ranks: int, dtype: torch.dtyp
     from ssd_trt.models.checkpoint import Checkpoint
     from ssd_trt.models.loading import decoder_from_checkpoint
     checkpoint = Checkpoint.open(path)
-    split = split_for(checkpoint.config, ranks, f"the target {path}")
+    split = rank_split(checkpoint.config, ranks, f"the target {path}")
     state = {name: _owned(split.shard(name, checkpoint.tensor(name), rank), dtype) for name in checkpoint.tensors}
     model = decoder_from_checkpoint(checkpoint.hf_config, state, config=split.rank_config())
     return _reduced(model, ranks, reduce)
@@ -89,7 +82,7 @@ def load_rank_decoder(path: Path | str, rank: int, ranks: int, dtype: torch.dtyp
 def rank_decoder(model: Decoder, rank: int, ranks: int, reduce: Reduce | None = None) -> Decoder:
     """Rank ``rank`` of ``ranks``'s shard of an in-memory decoder (copies of its slices; ``model`` is unchanged)."""
     from ssd_trt.models.loading import decoder_from_checkpoint
-    split = split_for(model.config, ranks, "this decoder")
+    split = rank_split(model.config, ranks, "this decoder")
     state = {}
     for name, tensor in model.state_dict().items():
         if name == "inv_freq":

@@ -12,29 +12,83 @@ Each rank holds:
 So the two row-split products (o_proj, down_proj) each give a partial sum of the full result: summing them
 over the ranks (an all-reduce) restores the whole model's output exactly, up to the order of the additions.
 
-The functions work on the HF checkpoint's own names and layout ([out, in] weights), so the ONNX/TensorRT export
-(``export/tensor_parallel.py``) and a runtime over ranks slice with the same rules. Nothing here reads weights:
-:func:`check_split` runs on the config alone, before any work.
+:data:`PROJECTIONS` is the one table of that split, projection by projection; everything that splits, counts or
+reduces reads it: the ONNX/TensorRT export (``export/tensor_parallel.py``: each rank's weight slices and the
+all-reduce markers), the TensorRT build (``trt/collectives.py``: the markers it replaces), the rank runtime
+(``models/rank_decoder.py``: slices and the all-reduce after each row-split product) and the sizing
+(``sizing/shards.py``: each rank's projection shapes). The functions work on the HF checkpoint's own names and
+layout ([out, in] weights). Nothing here reads weights: :func:`rank_split` runs on the config alone, before any
+work.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ssd_trt.errors import RecipeError
 from ssd_trt.models.config import DecoderConfig
 
-_LAYER = r"^model\.layers\.\d+\."
-# (pattern, axis of the HF tensor to split, what its rows/columns are counted in)
-_RULES = (
-    (re.compile(_LAYER + r"self_attn\.q_proj\.(weight|bias)$"), 0, "query"),
-    (re.compile(_LAYER + r"self_attn\.(k_proj|v_proj)\.(weight|bias)$"), 0, "kv"),
-    (re.compile(_LAYER + r"self_attn\.o_proj\.weight$"), 1, "query"),
-    (re.compile(_LAYER + r"mlp\.(gate_proj|up_proj)\.weight$"), 0, "mlp"),
-    (re.compile(_LAYER + r"mlp\.down_proj\.weight$"), 1, "mlp"),
+if TYPE_CHECKING:
+    import onnx
+
+MAX_RANKS = 64     # EngineRecipe.tensor_parallel's upper bound
+
+Cut = Literal["column", "row"]
+Unit = Literal["query", "kv", "mlp"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectionSplit:
+    """How one projection of every decoder layer splits over the ranks."""
+    module: str     # its path in a decoder layer, as HF and models/decoder.py name it
+    cut: Cut        # column: each rank computes some outputs; row: each rank reads some inputs
+    unit: Unit      # what the cut dimension counts: query heads, key/value heads or MLP columns
+
+    @property
+    def axis(self) -> int:
+        """The axis of the HF weight ([out, in]) that is cut: outputs for a column split, inputs for a row split."""
+        return 0 if self.cut == "column" else 1
+
+    @property
+    def reduced(self) -> bool:
+        """Whether an all-reduce follows the product: a row split's product is a partial sum over its inputs."""
+        return self.cut == "row"
+
+
+# The split, in the order the projections come in a layer (the sizing's first projection is q_proj: it reads the
+# hidden state, the width the LM head reads too).
+PROJECTIONS = (
+    ProjectionSplit("self_attn.q_proj", "column", "query"),
+    ProjectionSplit("self_attn.k_proj", "column", "kv"),
+    ProjectionSplit("self_attn.v_proj", "column", "kv"),
+    ProjectionSplit("self_attn.o_proj", "row", "query"),
+    ProjectionSplit("mlp.gate_proj", "column", "mlp"),
+    ProjectionSplit("mlp.up_proj", "column", "mlp"),
+    ProjectionSplit("mlp.down_proj", "row", "mlp"),
 )
+# the projections whose products are partial sums over the ranks, in the order they come in a layer
+REDUCED = tuple(p.module for p in PROJECTIONS if p.reduced)
+_BY_MODULE = {p.module: p for p in PROJECTIONS}
+_LAYER_TENSOR = re.compile(r"^model\.layers\.\d+\.(?P<module>.+)\.(?P<kind>weight|bias)$")
+
+# A rank graph marks each reduced product with an Identity node of this name; the TensorRT build replaces it by its
+# native all-reduce (ONNX has no all-reduce op, and TensorRT's parser keeps an Identity's name).
+MARKER_PREFIX = "tp_all_reduce/"
+MARKER = re.compile(r"^" + re.escape(MARKER_PREFIX) + r"layers\.(\d+)\.(" + "|".join(map(re.escape, REDUCED)) + ")$")
+
+
+def marker_name(layer: int, module: str) -> str:
+    """The all-reduce marker after ``module``'s product in decoder layer ``layer``."""
+    return f"{MARKER_PREFIX}layers.{layer}.{module}"
+
+
+def marker_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The all-reduce markers of a rank graph, in graph order."""
+    return [node for node in model.graph.node if node.op_type == "Identity" and MARKER.match(node.name)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +117,11 @@ class Split:
         """MLP columns per rank."""
         return self.config.intermediate_size // self.ranks
 
+    def width(self, unit: Unit) -> int:
+        """How much of a cut dimension counted in ``unit`` one rank holds."""
+        d = self.config.head_dim
+        return {"query": self.heads * d, "kv": self.kv_heads * d, "mlp": self.intermediate}[unit]
+
     def rank_config(self) -> DecoderConfig:
         """The decoder one rank runs: the whole model's, with its own head counts and MLP width (head_dim,
         hence the attention scale and the rotary tables, unchanged)."""
@@ -76,18 +135,15 @@ class Split:
 
     def rows(self, name: str, rank: int) -> tuple[int, int, int] | None:
         """(axis, start, stop) of HF tensor ``name`` that ``rank`` holds; None: the rank holds it whole."""
-        for pattern, axis, unit in _RULES:
-            if pattern.match(name):
-                break
-        else:
+        match = _LAYER_TENSOR.match(name)
+        projection = _BY_MODULE.get(match["module"]) if match else None
+        # a row-split bias would be added once after the sum: whole (the supported decoders have none)
+        if projection is None or (match["kind"] == "bias" and projection.cut == "row"):
             return None
-        d = self.config.head_dim
-        if unit == "query":
-            return axis, rank * self.heads * d, (rank + 1) * self.heads * d
-        if unit == "kv":
-            first, last = self.kv_head_range(rank)
-            return axis, first * d, last * d
-        return axis, rank * self.intermediate, (rank + 1) * self.intermediate
+        # the ranks replicating a key/value head hold the same block of it
+        block = rank // self.kv_replicas if projection.unit == "kv" else rank
+        width = self.width(projection.unit)
+        return projection.axis, block * width, (block + 1) * width
 
     def shard(self, name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s part of HF tensor ``name`` (a view: no copy)."""
@@ -101,6 +157,16 @@ class Split:
             return tuple(shape)
         axis, start, stop = rows
         return tuple(stop - start if i == axis else size for i, size in enumerate(shape))
+
+    def shard_numel(self, shapes: dict[str, tuple[int, ...]]) -> int:
+        """Elements one rank holds (every rank holds as many) of HF tensors of ``shapes`` (the whole model's)."""
+        total = 0
+        for name, shape in shapes.items():
+            count = 1
+            for size in self.shape(name, shape, 0):
+                count *= size
+            total += count
+        return total
 
 
 def split_problem(config: DecoderConfig, ranks: int) -> str | None:
@@ -120,23 +186,17 @@ def split_problem(config: DecoderConfig, ranks: int) -> str | None:
     return None
 
 
-def check_split(config: DecoderConfig, ranks: int, where: str) -> Split:
-    """The split of ``config`` over ``ranks``, or ValueError saying why not and which sizes would work."""
+def valid_ranks(config: DecoderConfig, up_to: int = MAX_RANKS) -> list[int]:
+    """Every tensor_parallel from 1 to ``up_to`` that splits ``config`` evenly."""
+    return [n for n in range(1, up_to + 1) if split_problem(config, n) is None]
+
+
+def rank_split(config: DecoderConfig, ranks: int, where: str = "the target") -> Split:
+    """The split of ``config`` over ``ranks``; a RecipeError (the recipe's engine.tensor_parallel) saying what does
+    not divide and which sizes would."""
     problem = split_problem(config, ranks)
     if problem is not None:
-        valid = [n for n in range(1, min(config.num_heads, 64) + 1) if split_problem(config, n) is None]
-        raise ValueError(f"engine.tensor_parallel: {ranks} cannot split {where}: {problem} "
-                         f"({config.num_heads} query heads, {config.num_kv_heads} key/value heads, MLP width "
-                         f"{config.intermediate_size}); choose one of {valid}")
+        raise RecipeError(f"engine.tensor_parallel: {ranks} cannot split {where}: {problem} "
+                          f"({config.num_heads} query heads, {config.num_kv_heads} key/value heads, MLP width "
+                          f"{config.intermediate_size}); choose one of {valid_ranks(config)}")
     return Split(config, ranks)
-
-
-def rank_params(shapes: dict[str, tuple[int, ...]], split: Split) -> int:
-    """Parameters one rank holds (every rank holds as many), from the whole model's HF tensor shapes."""
-    total = 0
-    for name, shape in shapes.items():
-        count = 1
-        for size in split.shape(name, shape, 0):
-            count *= size
-        total += count
-    return total

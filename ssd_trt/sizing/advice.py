@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from ssd_trt.errors import RecipeError
+from ssd_trt.models.sharding import valid_ranks
 from ssd_trt.recipe import Recipe
 from ssd_trt.sizing.fit import FitPlan, plan_fit, with_engine, with_models
 from ssd_trt.sizing.formats import runtime_backend
 from ssd_trt.sizing.memory import GIB
-from ssd_trt.sizing.shards import valid_ranks
 
 CONTEXT_STEP = 256
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssd_trt.errors import RecipeError
-from ssd_trt.models.config import DecoderConfig
+from ssd_trt.models.config import DecoderConfig, decoder_config
 from ssd_trt.models.sources import PACKAGE_PREFIX, resolve_source
 from ssd_trt.recipe import Recipe
 
@@ -61,7 +61,7 @@ def _sized(role: str, source: str, bases: tuple[Path, ...], configs_dir: Path | 
 
 def _read_config(path: Path) -> DecoderConfig:
     from ssd_trt.models.checkpoint import read_config_json
-    return _decoder_config(read_config_json(path.parent), str(path))
+    return decoder_config(read_config_json(path.parent), str(path))
 
 
 def _gguf_config(path: Path) -> DecoderConfig:
@@ -71,13 +71,4 @@ def _gguf_config(path: Path) -> DecoderConfig:
         hf = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     except (ValueError, KeyError, OSError) as exc:
         raise RecipeError(f"GGUF {path}: its header does not describe a model transformers reads ({exc})") from None
-    return _decoder_config(hf, f"the GGUF header of {path}")
-
-
-def _decoder_config(hf: dict, where: str) -> DecoderConfig:
-    try:
-        return DecoderConfig.from_hf_dict(hf)
-    except (KeyError, ValueError, TypeError) as exc:
-        detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
-        raise RecipeError(f"{where} does not describe a supported decoder ({detail}); ssd-trt builds Llama-family "
-                          "decoders (llama, qwen2, qwen3, mistral)") from None
+    return decoder_config(hf, f"the GGUF header of {path}")

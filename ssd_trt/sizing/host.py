@@ -7,11 +7,12 @@ from dataclasses import replace
 
 from ssd_trt.export import host_memory
 from ssd_trt.export.streamed_build import STREAM_ABOVE_BYTES
+from ssd_trt.models.sharding import rank_split
 from ssd_trt.recipe import Recipe
 from ssd_trt.sizing.configs import SizedModel
 from ssd_trt.sizing.formats import FLOAT_BYTES, runtime_backend
 from ssd_trt.sizing.memory import DeviceMemory
-from ssd_trt.sizing.shards import rank_params, rank_split
+from ssd_trt.sizing.shards import rank_params
 
 
 def build_host_memory(recipe: Recipe, models: dict[str, SizedModel], devices: list[DeviceMemory]) -> dict:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from ssd_trt.engines.cuda_graphs import plan_buckets
 from ssd_trt.engines.profiles import derive_profiles
 from ssd_trt.models.config import DecoderConfig
-from ssd_trt.models.sharding import Split
+from ssd_trt.models.sharding import Split, rank_split
 from ssd_trt.recipe import Recipe
 from ssd_trt.sizing.formats import BLOCK, Formats
-from ssd_trt.sizing.shards import RankParams, rank_params, rank_split
+from ssd_trt.sizing.shards import RankParams, rank_params
 
 GIB = 1 << 30
 FIXED_BYTES = 2 * GIB

@@ -1,10 +1,11 @@
 """A memory plan as JSON, and the table printed from that JSON (so a saved plan renders exactly as it printed)."""
 from __future__ import annotations
 
+from ssd_trt.models.sharding import rank_split
 from ssd_trt.sizing.advice import Suggestion
 from ssd_trt.sizing.fit import FitPlan
 from ssd_trt.sizing.memory import FIXED_BYTES, GIB, HEADROOM
-from ssd_trt.sizing.shards import describe, rank_split
+from ssd_trt.sizing.shards import describe
 
 SCHEMA = 1
 

@@ -2,31 +2,14 @@
 
 The split itself -- Megatron-LM's (Shoeybi et al. 2019, section 3): heads and MLP columns, KV heads replicated
 when there are fewer than ranks, as vLLM does; embedding, norms and LM head whole on every rank -- is
-``models/sharding.py``'s, the rules the export and the runtime slice with. Here it is counted: which projections a
-rank holds and their shapes (block formats need each one's in_features), without reading a weight.
+``models/sharding.py``'s table, the one the export and the runtime slice with. Here it is counted: which
+projections a rank holds and their shapes (block formats need each one's in_features), without reading a weight.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ssd_trt.errors import RecipeError
-from ssd_trt.models.config import DecoderConfig
-from ssd_trt.models.sharding import Split, check_split, split_problem
-
-MAX_RANKS = 64     # EngineRecipe.tensor_parallel's upper bound
-
-
-def rank_split(config: DecoderConfig, ranks: int, where: str = "the target") -> Split:
-    """The split of ``config`` over ``ranks``; RecipeError naming what does not divide and the values that do."""
-    try:
-        return check_split(config, ranks, where)
-    except ValueError as error:
-        raise RecipeError(str(error)) from None
-
-
-def valid_ranks(config: DecoderConfig, up_to: int = MAX_RANKS) -> list[int]:
-    """Every tensor_parallel from 1 to ``up_to`` that splits ``config`` evenly."""
-    return [n for n in range(1, up_to + 1) if split_problem(config, n) is None]
+from ssd_trt.models.sharding import PROJECTIONS, Split
 
 
 def describe(split: Split) -> str:
@@ -77,11 +60,10 @@ def rank_params(split: Split) -> RankParams:
     """The parameters of one rank of ``split`` (ranks 1: the whole model, as ``models/decoder.py`` builds it)."""
     config = split.config
     h, d = config.hidden_size, config.head_dim
-    q, kv = split.heads * d, split.kv_heads * d
-    projections = (Projection("q_proj", h, q), Projection("k_proj", h, kv), Projection("v_proj", h, kv),
-                   Projection("o_proj", q, h),                               # row split: its inputs are the heads
-                   Projection("gate_proj", h, split.intermediate), Projection("up_proj", h, split.intermediate),
-                   Projection("down_proj", split.intermediate, h))           # row split: its inputs are the columns
+    q, kv = split.width("query"), split.width("kv")
+    # a column split cuts a projection's outputs, a row split its inputs; the other side is the hidden state
+    projections = tuple(Projection(p.module, h, split.width(p.unit)) if p.cut == "column" else
+                        Projection(p.module, split.width(p.unit), h) for p in PROJECTIONS)
     per_layer = 2 * h                                           # input and post-attention RMSNorm weights
     per_layer += 2 * d if config.qk_norm else 0                 # Qwen3's per-head q/k norms (shared by the heads)
     per_layer += q + 2 * kv if config.attention_bias else 0     # Qwen2's q/k/v biases, split with their columns

@@ -1,7 +1,7 @@
 """A tensor-parallel rank's network: each all-reduce marker replaced by TensorRT's native all-reduce layer.
 
 The rank graphs (``export/tensor_parallel.py``) carry an ``Identity`` node named ``tp_all_reduce/layers.<i>.<module>``
-wherever a partial sum must be added over the ranks. TensorRT's ONNX parser imports it as an identity layer of that
+(``models/sharding.py``'s ``MARKER``, from its table's reduced projections) wherever a partial sum must be added over the ranks. TensorRT's ONNX parser imports it as an identity layer of that
 name; after parsing, each one gets an ``IDistCollectiveLayer`` (``ALL_REDUCE``, ``SUM``, over ``num_ranks``) on the
 marker's input, and every layer that read the marker's output reads the collective's output instead
 (``ILayer.set_input``). The marker, read by nothing any more, is dropped by the builder.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ssd_trt.export.tensor_parallel import MARKER
+from ssd_trt.models.sharding import MARKER
 
 
 def insert_all_reduces(trt: Any, network: Any, num_ranks: int) -> int:

@@ -141,7 +141,7 @@ def manifest_entry(edition: Edition, role: str, root: Path, out_path: Path, onnx
 def check_markers(model: onnx.ModelProto, num_ranks: int) -> int:
     """The all-reduce markers the graph must have for ``num_ranks`` (none for a whole model; two per attention
     layer for a rank's: after o_proj and after down_proj); returns how many. ValueError otherwise."""
-    from ssd_trt.export.tensor_parallel import marker_nodes
+    from ssd_trt.models.sharding import marker_nodes
     markers = len(marker_nodes(model))
     layers = sum(node.op_type in ("Attention", PLUGIN_NAME) for node in model.graph.node)
     if num_ranks == 1 and markers:
