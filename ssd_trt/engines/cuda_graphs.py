@@ -13,11 +13,14 @@ costs 0.4-3 ms where the eager step costs 3-40 ms. A step may be padded up to a 
   their keys/values land in slots >= the new length, which the next step overwrites. That needs
   L_b + T_bucket <= S for every row, the ``room`` argument of :func:`select_bucket`.
 
-:func:`plan_buckets`, :func:`select_bucket` and :func:`pad_step` are plain Python / numpy;
-:class:`StepGraph` needs torch with CUDA and is only constructed on a GPU.
+Every bucket is captured when the engine loads, before any request (``DeviceStepEngine.capture_graphs``).
+
+:func:`plan_buckets`, :func:`select_bucket` and :func:`pad_step` are plain Python / numpy; :class:`StepGraph` and
+:class:`GraphCapture` make their CUDA calls through :class:`TorchCuda` (a named fake on CPU in the tests).
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -92,22 +95,110 @@ def select_bucket(buckets: tuple[GraphBucket, ...], batch: int, tokens: int, roo
     return min(fitting, key=lambda b: (b.area, b.tokens, b.batch)) if fitting else None
 
 
-class StepGraph:
-    """One CUDA graph of ``launch`` (a step over static buffers), captured on first use.
+class TorchCuda:
+    """The CUDA calls a capture makes, through torch (``tests/fakes/fake_cuda.py`` stands in for it on CPU)."""
 
-    ``launch`` enqueues the step on the current stream and reads/writes only buffers whose addresses
-    never change. The first :meth:`run` executes it eagerly (TensorRT must run once before capture,
-    and this run *is* the step), then captures it; later calls replay the graph.
+    def stream(self, stream):
+        import torch
+        return torch.cuda.stream(stream)
 
-    A capture that fails (an engine or kernel that cannot be captured: a host synchronisation inside it, an
-    allocation, an unsupported TensorRT layer) costs speed, never the request: the bucket runs eagerly from then
-    on and :attr:`failure` says why. Nothing of the failed capture ran (capture records launches, it does not
-    execute them), and the step itself already ran eagerly before it.
+    def current_stream(self):
+        import torch
+        return torch.cuda.current_stream()
+
+    def set_stream(self, stream) -> None:
+        import torch
+        torch.cuda.set_stream(stream)
+
+    def new_graph(self):
+        import torch
+        return torch.cuda.CUDAGraph()
+
+    def new_pool(self):
+        import torch
+        return torch.cuda.graph_pool_handle()
+
+    def graph(self, graph, pool, stream):
+        import torch
+        # thread_local: the other engine's thread may launch work (not capture: see GraphCapture) meanwhile
+        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+
+    def end_allocate_to_pool(self, device: int, pool) -> None:
+        import torch
+        torch._C._cuda_endAllocateToPool(device, pool)
+
+    def release_pool(self, device: int, pool) -> None:
+        import torch
+        torch._C._cuda_releasePool(device, pool)
+
+
+class GraphCapture:
+    """Captures step graphs on one stream, one capture at a time in the whole process.
+
+    Why the lock is the process's (a class attribute) and not an object a runtime owns: torch documents that "only one
+    capture may be underway at a time in the process" (``torch.cuda.graph``), because what a capture changes is the
+    process's own -- the caching allocator routes the capturing stream's allocations to the graph's private pool, and
+    entering ``torch.cuda.graph`` synchronises the device and empties the cache. A lock per engine or per runtime would
+    let two runtimes of one process (a server with two builds, the tests) capture at once.
+
+    A capture that fails leaves the allocator usable: ``CUDAGraph.capture_end`` raises at ``cudaStreamEndCapture``
+    (an invalidated capture) *before* it tells the allocator the capture is over (torch's ``CUDAGraph.cpp``), which
+    would leave the allocator believing a capture is under way and fail every later one; :meth:`capture` ends that
+    capture's hold on the allocator and releases its pool itself, and restores the current stream that
+    ``torch.cuda.graph`` does not restore when its exit raises.
     """
 
-    def __init__(self, launch: Callable[[], None], stream) -> None:
+    PROCESS_LOCK = threading.Lock()
+
+    def __init__(self, stream, cuda=None) -> None:
+        self.stream = stream
+        self.cuda = TorchCuda() if cuda is None else cuda
+
+    def capture(self, launch: Callable[[], None]):
+        """A CUDA graph of ``launch`` on this stream; RuntimeError (after the clean-up above) if it cannot be one."""
+        cuda = self.cuda
+        with self.PROCESS_LOCK:
+            previous = cuda.current_stream()
+            graph, pool = cuda.new_graph(), cuda.new_pool()
+            ended = False
+            try:
+                with cuda.graph(graph, pool, self.stream):
+                    launch()
+                ended = True
+            finally:
+                if not ended:
+                    self._abandon(pool)
+                    cuda.set_stream(previous)
+        return graph
+
+    def _abandon(self, pool) -> None:
+        """End a failed capture's hold on the allocator. If ``capture_end`` got as far as ending it itself, the
+        allocator says so ("not currently recording") and the graph's own reset releases the pool; otherwise the
+        pool is released here."""
+        device = self.stream.device.index
+        try:
+            self.cuda.end_allocate_to_pool(device, pool)
+        except RuntimeError:
+            return
+        self.cuda.release_pool(device, pool)
+
+
+class StepGraph:
+    """One CUDA graph of ``launch`` (a step over static buffers), captured by :meth:`capture` when the engine loads.
+
+    ``launch`` enqueues the step on the current stream and reads/writes only buffers whose addresses
+    never change. :meth:`capture` runs it once eagerly first (a TensorRT context must enqueue once with its shapes
+    before its work can be captured, and the Triton kernel compiles on its first call), then captures it;
+    :meth:`run` replays the graph.
+
+    A capture that fails (an engine or kernel that cannot be captured: a host synchronisation inside it, an
+    allocation, an unsupported TensorRT layer) costs speed, never a request: the bucket runs eagerly and
+    :attr:`failure` says why. Nothing of the failed capture ran (capture records launches, it does not execute them).
+    """
+
+    def __init__(self, launch: Callable[[], None], capture: GraphCapture) -> None:
         self._launch = launch
-        self._stream = stream
+        self._capture = capture
         self._graph = None
         self.failure: str | None = None
 
@@ -115,30 +206,34 @@ class StepGraph:
     def captured(self) -> bool:
         return self._graph is not None
 
-    def run(self) -> None:
-        """Run the step on the graph's stream (eagerly the first time, by replay afterwards)."""
-        import torch
-
-        if self._graph is not None:
-            with torch.cuda.stream(self._stream):
-                self._graph.replay()
-            return
-        with torch.cuda.stream(self._stream):
+    def capture(self) -> None:
+        """Run the step once eagerly, then capture it (or record why it cannot be, and warn)."""
+        stream = self._capture.stream
+        with self._capture.cuda.stream(stream):
             self._launch()
-        if self.failure is not None:
-            return
-        self._stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
+        stream.synchronize()
         try:
-            # thread_local: another thread (the other engine) may launch work while this one captures.
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                self._launch()
+            self._graph = self._capture.capture(self._launch)
         except RuntimeError as error:
-            self.failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            text = str(error).strip()
+            self.failure = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
             warnings.warn(f"CUDA graph capture failed ({self.failure}); this step shape runs eagerly", RuntimeWarning,
                           stacklevel=2)
-            return
-        self._graph = graph
+
+    def run(self) -> None:
+        """Run the step on the graph's stream: a replay, or the eager launch when it could not be captured."""
+        with self._capture.cuda.stream(self._capture.stream):
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self._launch()
+
+
+def idle_step(rows: int, tokens: int) -> dict[str, np.ndarray]:
+    """Host inputs of a step of ``rows`` x ``tokens`` padding only (what a graph is captured on, before any request):
+    every token sees only itself, every row has length 0."""
+    no_rows = np.zeros((0, 1), dtype=np.int64)
+    return pad_step(no_rows, no_rows, np.ones((0, 1, 1), dtype=bool), np.zeros(0, dtype=np.int32), rows, tokens)
 
 
 def pad_step(input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray, lengths: np.ndarray,

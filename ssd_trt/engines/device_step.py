@@ -7,9 +7,11 @@ differ in how one step is enqueued, :meth:`DeviceStepEngine._launch`):
   updates them in place (the tree-attention kernel writes the T new slots), so it costs O(T) cache
   writes and rollback is just a length change. Batch b < max_batch uses the leading-dimension slice
   [:b] (contiguous, same base address).
-* **CUDA graphs** per shape bucket (``ssd_trt/engines/cuda_graphs.py``): decode / verify / tree steps are
-  padded to a bucket, their inputs copied into the bucket's static buffers and the graph replayed;
-  prefill runs eagerly.
+* **CUDA graphs** per shape bucket (``ssd_trt/engines/cuda_graphs.py``), every one captured when the engine loads
+  (:meth:`DeviceStepEngine.capture_graphs`, before any request): decode / verify / tree steps are padded to a
+  bucket, their inputs copied into the bucket's static buffers and the graph replayed; prefill runs eagerly. A
+  bucket's launch is :meth:`DeviceStepEngine._graph_launch`, which a launcher with per-shape state overrides
+  (TensorRT: one execution context per graph, bound once, which no other step touches).
 * **A stream** per engine (on a GPU): draft and target run concurrently from two threads on two
   streams or two GPUs (:func:`place_draft_and_target`); the target's stream gets the priority.
 * **Timing**: CUDA events around every step (``last_step_ms``); wall time on CPU.
@@ -20,15 +22,17 @@ this exact code path (forward, padding, rollback, keep) on machines without a GP
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ssd_trt.engines.base import EngineDefaults, EngineSpec, check_batch, check_keep, check_room, checked_rollback
-from ssd_trt.engines.cuda_graphs import GraphBucket, StepGraph, pad_step, plan_buckets, select_bucket
+from ssd_trt.engines.cuda_graphs import GraphBucket, GraphCapture, StepGraph, idle_step, pad_step, plan_buckets, \
+    select_bucket
 from ssd_trt.engines.profiles import Profile, select_profile
 from ssd_trt.engines.rows import PaddedRows, check_order, reorder
 
@@ -116,11 +120,17 @@ class DeviceStepEngine(EngineDefaults):
     keys/values into those caches in place, the logits into ``buffers.logits`` (and a feature pair's
     output into ``buffers.extra_output``), touching no other
     memory whose address changes between calls (so that it can be captured in a CUDA graph).
+    Subclasses call :meth:`capture_graphs` once their launcher is ready, at the end of their construction.
+
+    ``capture``: the engine's stream and what captures the buckets' graphs on it (default on a GPU: a new stream of
+    ``stream_priority``, CUDA graphs when ``use_cuda_graphs``; the tests give a :class:`GraphCapture` over a fake
+    CUDA to run the graph path on CPU).
     """
 
     def __init__(self, spec: EngineSpec, profiles: tuple[Profile, ...], *, device: torch.device,
                  cache_dtype: torch.dtype, logits_dtype: torch.dtype, stream_priority: int = 0,
-                 use_cuda_graphs: bool = True, extras: StepExtras = StepExtras()) -> None:
+                 use_cuda_graphs: bool = True, extras: StepExtras = StepExtras(),
+                 capture: GraphCapture | None = None) -> None:
         self.spec = spec
         self.extras = extras
         # what OrtEngine offers a feature pair (decoding/feature_relay.py, engines/feature_draft.py)
@@ -133,21 +143,25 @@ class DeviceStepEngine(EngineDefaults):
         self._device = device
         self._logits_dtype = logits_dtype
         on_gpu = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device, priority=stream_priority) if on_gpu else None
+        self._on_gpu = on_gpu
+        if capture is None and on_gpu:        # the engine's stream, which its graphs are captured on
+            capture = GraphCapture(torch.cuda.Stream(device, priority=stream_priority))
+        self._stream = capture.stream if capture is not None else None
         shape = (spec.max_batch, spec.num_kv_heads, spec.max_context, spec.head_dim)
         self.caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
                         torch.zeros(shape, dtype=cache_dtype, device=device))
                        for _ in range(spec.num_layers)]
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if on_gpu else None
-        self._buckets = plan_buckets(profiles) if (use_cuda_graphs and on_gpu) else ()
+        self._capture = capture if use_cuda_graphs else None
+        self._buckets = plan_buckets(profiles) if self._capture is not None else ()
         self._graphs: dict[GraphBucket, tuple[StepGraph, StepBuffers]] = {}
         self._lengths = np.zeros(0, dtype=np.int32)
         self.last_step_ms = 0.0
 
     def _on_device(self):
         """Make this engine's device and stream current; nothing to do on CPU."""
-        if self._stream is None:
+        if not self._on_gpu:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self._device))
@@ -222,7 +236,10 @@ class DeviceStepEngine(EngineDefaults):
             if self._events:
                 self._events[0].record(self._stream)
             if bucket is not None:
-                graph, buffers = self._graph_for(bucket)
+                if bucket not in self._graphs:
+                    raise RuntimeError(f"{self.spec.name}: its step graphs are captured when it loads "
+                                       "(capture_graphs), and they were not")
+                graph, buffers = self._graphs[bucket]
                 buffers.upload(host)
                 graph.run()
             else:
@@ -268,13 +285,25 @@ class DeviceStepEngine(EngineDefaults):
         self._lengths[row] = start + len(offsets)
 
     # -- execution -----------------------------------------------------------------------------------
-    def _graph_for(self, bucket: GraphBucket) -> tuple[StepGraph, StepBuffers]:
-        if bucket not in self._graphs:
-            buffers = StepBuffers(self._device, self.spec.vocab_size, self._logits_dtype, bucket.batch,
-                                  bucket.tokens, self.extras)
-            graph = StepGraph(lambda: self._launch(bucket.profile, buffers), self._stream)
-            self._graphs[bucket] = (graph, buffers)
-        return self._graphs[bucket]
+    def capture_graphs(self) -> None:
+        """Capture every bucket's graph now (at load: a request never waits for a capture, and no capture runs while
+        the other engine serves one). Each bucket gets its own static buffers, filled with a padding-only step
+        (:func:`idle_step`) for the warm-up run; a bucket that cannot be captured runs eagerly (``StepGraph``)."""
+        if self._graphs:
+            raise RuntimeError(f"{self.spec.name}: the CUDA graphs were already captured")
+        with self._on_device():
+            for bucket in self._buckets:
+                buffers = StepBuffers(self._device, self.spec.vocab_size, self._logits_dtype, bucket.batch,
+                                      bucket.tokens, self.extras)
+                buffers.upload(idle_step(bucket.batch, bucket.tokens))
+                graph = StepGraph(self._graph_launch(bucket, buffers), self._capture)
+                graph.capture()
+                self._graphs[bucket] = (graph, buffers)
+
+    def _graph_launch(self, bucket: GraphBucket, buffers: StepBuffers) -> Callable[[], None]:
+        """What ``bucket``'s graph captures: one step over its static ``buffers`` (by default the eager launch;
+        a launcher whose launches carry per-shape state overrides it with state of the graph's own)."""
+        return functools.partial(self._launch, bucket.profile, buffers)
 
     def _launch(self, profile: int, buffers: StepBuffers) -> None:
         raise NotImplementedError

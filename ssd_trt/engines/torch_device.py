@@ -74,6 +74,7 @@ class TorchDeviceEngine(DeviceStepEngine):
             if kernel == "triton" else reference_attention_inplace
         super().__init__(spec, derive_profiles(limits), device=device, cache_dtype=dtype, logits_dtype=dtype,
                          stream_priority=placement.stream_priority, use_cuda_graphs=use_cuda_graphs, extras=extras)
+        self.capture_graphs()
 
     def _launch(self, profile: int, buffers: StepBuffers) -> None:
         """The decoder over the first ``buffers.rows`` cache rows; the kernel writes the new slots in place."""
