@@ -4,11 +4,11 @@ Steps: check the ONNX on CPU (binding layout, the flavour the edition needs, pre
 optimisation profiles cover every step shape the runtime issues), then with TensorRT: (data-centre:
 register the tree-attention plugin for the build GPU's SM) parse, (RTX fp32: mark attention
 decomposable), one optimisation profile per step kind (``profiles.py``), the edition's settings (RTX:
-the recipe's compute capabilities; data-centre: in-place plugin I/O and a persistent timing cache),
-build, write the plan and return its manifest entry (``manifest.PlanEntry``). Everything before the
-TensorRT import is plain Python exercised by the CPU tests; :func:`build_engine` raises
-:class:`TensorRTUnavailable` with the probe's reason when the edition cannot build here (data-centre:
-TensorRT or a GPU missing; RTX: ``tensorrt_rtx`` not installed).
+the recipe's compute capabilities and user-allocated memory, which stream capture needs; data-centre:
+in-place plugin I/O and a persistent timing cache), build, write the plan and return its manifest entry
+(``manifest.PlanEntry``). Everything before the TensorRT import is plain Python exercised by the CPU tests;
+:func:`build_engine` raises :class:`TensorRTUnavailable` with the probe's reason when the edition cannot build here
+(data-centre: TensorRT or a GPU missing; RTX: ``tensorrt_rtx`` not installed).
 
 Precision. Both editions build strongly typed networks, so the plan computes in the types the graph
 declares: the TensorRT flavours are exported in the recipe's precision (fp16 / bf16 weights and caches).
@@ -220,6 +220,7 @@ def _build_with_tensorrt(edition: Edition, role: str, root: Path, onnx_path: Pat
                            "graph's markers\n")
         config = builder.create_builder_config()
         configure(edition, trt, config, capabilities)
+        require_user_allocation(edition, trt, config)
         for _, ranges in table:
             profile = builder.create_optimization_profile()
             for name, (low, opt, high) in ranges.items():
@@ -246,6 +247,17 @@ def _build_with_tensorrt(edition: Edition, role: str, root: Path, onnx_path: Pat
         log_file.write(f"[ssd-trt] built in {seconds:.1f} s\n")
     return manifest_entry(edition, role, root, out_path, onnx_path, table, precision, trt.__version__,
                           tuple(capabilities), seconds, recipe_sha256, log_path, decomposable, rank, collectives)
+
+
+def require_user_allocation(edition: Edition, trt, config) -> None:
+    """An RTX plan uses the application's device memory wherever it can (``BuilderFlag.REQUIRE_USER_ALLOCATION``),
+    which CUDA stream capture needs: "This is required when using CUDA stream capture" (TensorRT-RTX 1.2 release
+    notes, https://docs.nvidia.com/deeplearning/tensorrt-rtx/latest/getting-started/release-notes-1/1.2.html; the
+    flag is in tensorrt_rtx 1.7). The runtime gives every context that memory (``engines/tensorrt.py``) and captures a
+    graph per step shape. Data-centre TensorRT has no such flag (11.4's bindings): its contexts take user-managed
+    memory without it."""
+    if edition is RTX:
+        config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)
 
 
 def _file_logger(trt, stream):
