@@ -74,6 +74,7 @@ def session(results: Path, smoke: bool, elapsed: int | None) -> dict:
            or (smoke and part["status"] != "passed" and name != "install")]
     report["ok"] = not bad
     report["not_ok"] = bad
+    report["not_run"] = [name for name, part in parts.items() if part["status"] == "not run"]
     return report
 
 
@@ -124,7 +125,9 @@ def summary(report: dict) -> list[str]:
                          f"{row['equal_to_ar']:>6}")
         if pair.get("truncated"):
             lines.append(f"  truncated: {pair['truncated']}")
-    lines.append("session: " + ("ok" if report["ok"] else f"NOT ok ({', '.join(report['not_ok'])})"))
+    not_run = f"; not run here: {', '.join(report['not_run'])}" if report["not_run"] else ""
+    lines.append("session: " + ("ok (no part failed" if report["ok"] else
+                                f"NOT ok ({', '.join(report['not_ok'])}") + not_run + ")")
     return lines
 
 
