@@ -41,7 +41,10 @@ PROMPT = "My favourite number is"    # 4 tokens; 19 two-token outcomes at T=0.7 
 # (label, mode, first seed: request i uses seed + i): every set its own seed, so no two share random streams
 SETS = [("ar", AR(), 100_000), ("ar (second draw)", AR(), 200_000), ("sd K=3", SD(draft_len=3), 300_000),
         ("ssd K=3 B=1 jit", SSD(draft_len=3, fan_out_budget=1, backup="jit"), 400_000),
-        ("ssd (default, adaptive)", "ssd", 500_000)]
+        ("ssd (default, adaptive)", "ssd", 500_000),
+        # K=1: the first speculation is drafted just in time, the next ones come from the speculation cache, so
+        # with --length 4 or more the later tokens are drawn in rounds that hit (their marginal: last token below)
+        ("ssd K=1 B=1", SSD(draft_len=1, fan_out_budget=1), 600_000)]
 
 
 def exact_distribution(target, prompt: list[int], params: ssd_trt.SamplingParams, length: int
@@ -106,9 +109,14 @@ def draw(gen, prompt: list[int], params: ssd_trt.SamplingParams, mode, n: int) -
 
 
 def first_tokens(joint: dict[tuple[int, ...], float]) -> dict[tuple[int, ...], float]:
+    return marginal(joint, slice(0, 1))
+
+
+def marginal(joint: dict[tuple[int, ...], float], part: slice) -> dict[tuple[int, ...], float]:
+    """The distribution of ``seq[part]`` under the joint distribution of whole sequences."""
     out: dict[tuple[int, ...], float] = {}
     for seq, p in joint.items():
-        out[seq[:1]] = out.get(seq[:1], 0.0) + p
+        out[seq[part]] = out.get(seq[part], 0.0) + p
     return out
 
 
@@ -132,6 +140,8 @@ def main() -> int:
     filters = dict(temperature=args.temperature, top_p=args.top_p)
     exact = exact_distribution(gen.engine("target"), prompt, ssd_trt.SamplingParams(**filters), args.length)
     exact_first = first_tokens(exact)
+    last = slice(args.length - 1, args.length)
+    exact_last = marginal(exact, last)
     top = sorted(exact.items(), key=lambda kv: -kv[1])[:12]
     print(f"exact: {len(exact)} outcomes ({len(exact_first)} first tokens), mass {sum(exact.values()):.6f}; top: "
           + ", ".join(f"{gen.tokenizer.decode(list(k))!r} {v:.3f}" for k, v in top), flush=True)
@@ -141,6 +151,7 @@ def main() -> int:
     n = args.draws
     floor_one, floor_one_first = noise_floor(exact, n), noise_floor(exact_first, n)
     floor_two, floor_two_first = math.sqrt(2) * floor_one, math.sqrt(2) * floor_one_first
+    floor_one_last = noise_floor(exact_last, n)
     samples, sets = {}, {}
     for label, mode, seed in SETS:
         t = time.perf_counter()
@@ -161,12 +172,15 @@ def main() -> int:
         row = {"tv_vs_exact": total_variation(drawn, exact),
                "tv_vs_exact_first_token": total_variation([s[:1] for s in drawn], exact_first),
                "threshold_vs_exact": 1.5 * floor_one + 0.005,
-               "threshold_vs_exact_first_token": 1.5 * floor_one_first + 0.005}
+               "threshold_vs_exact_first_token": 1.5 * floor_one_first + 0.005,
+               "tv_vs_exact_last_token": total_variation([s[last] for s in drawn], exact_last),
+               "threshold_vs_exact_last_token": 1.5 * floor_one_last + 0.005}
         if label != "ar":
             row.update(tv_vs_ar=two_sample_tv(drawn, reference),
                        tv_vs_ar_first_token=two_sample_tv([s[:1] for s in drawn], [s[:1] for s in reference]),
                        threshold_vs_ar=1.5 * floor_two + 0.005, threshold_vs_ar_first_token=1.5 * floor_two_first + 0.005)
         checks = [("tv_vs_exact", "threshold_vs_exact"), ("tv_vs_exact_first_token", "threshold_vs_exact_first_token"),
+                  ("tv_vs_exact_last_token", "threshold_vs_exact_last_token"),
                   ("tv_vs_ar", "threshold_vs_ar"), ("tv_vs_ar_first_token", "threshold_vs_ar_first_token")]
         row["passed"] = all(row[tv] < row[limit] for tv, limit in checks if tv in row)
         rows[label] = {**sets[label], **row,
@@ -182,10 +196,13 @@ def main() -> int:
         build=str(args.build_dir), build_manifest=build_info(args.build_dir), prompt=args.prompt, chat_template=args.chat, prompt_tokens=len(prompt),
         sampling=filters, length=args.length, draws_per_mode=n,
         what="first `length` generated tokens, N independent draws per mode; TV against AR's draws (two-sample) and "
-             "against the exact distribution enumerated from the target engine's logits (one-sample)",
-        exact={"outcomes": len(exact), "first_tokens": len(exact_first), "mass": sum(exact.values()),
+             "against the exact distribution enumerated from the target engine's logits (one-sample), for the whole "
+             "sequence, its first token and its last token",
+        exact={"outcomes": len(exact), "first_tokens": len(exact_first), "last_tokens": len(exact_last),
+               "mass": sum(exact.values()),
                "top": [{"tokens": list(k), "text": gen.tokenizer.decode(list(k)), "p": v} for k, v in top]},
         noise_floor={"one_sample": floor_one, "one_sample_first_token": floor_one_first,
+                     "one_sample_last_token": floor_one_last,
                      "two_sample": floor_two, "two_sample_first_token": floor_two_first,
                      "two_sample_empirical_ar_vs_ar": ar_floor_empirical,
                      "two_sample_empirical_ar_vs_ar_first_token": rows["ar (second draw)"]["tv_vs_ar_first_token"]},
