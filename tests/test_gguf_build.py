@@ -22,7 +22,17 @@ KINDS = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q
          "ffn_up": "Q4_K", "ffn_down": "Q8_0"}
 
 
-def write_tiny_qwen2(path: Path, kinds: dict[str, str] = KINDS, seed: int = 0) -> Path:
+def byte_tokens() -> list[str]:
+    """GPT-2's byte-level alphabet (each byte as the printable character its BPE vocabularies use)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def write_tiny_qwen2(path: Path, kinds: dict[str, str] = KINDS, seed: int = 0, with_tokenizer: bool = False) -> Path:
+    """``with_tokenizer``: also the tokenizer in the metadata, as the real files carry it (gpt2 byte-level BPE over
+    the 256 bytes, no merges), from which transformers reads the vocabulary and the build the tokenizer."""
     import gguf
     rng = np.random.default_rng(seed)
     head_dim = HIDDEN // HEADS
@@ -32,6 +42,12 @@ def write_tiny_qwen2(path: Path, kinds: dict[str, str] = KINDS, seed: int = 0) -
         getattr(writer, f"add_{key}")(value)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
+    if with_tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(byte_tokens()[:VOCAB])
+        writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
+        writer.add_token_scores([0.0] * VOCAB)   # no merges: transformers derives them from the vocabulary (none)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     quant = gguf.GGMLQuantizationType

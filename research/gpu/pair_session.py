@@ -40,58 +40,11 @@ MODES = ("ar", "sd", "ssd")
 SMOKE_PROMPTS = ["def add(a, b):", "Write a haiku about", "x = [1, 2, 3]"]
 
 
-def byte_tokens() -> list[str]:
-    """GPT-2's byte-level alphabet (each byte as the printable character its BPE vocabularies use)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-
-
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A tiny qwen2 GGUF with the real pair's block kinds (Q4_K / Q6_K projections, Q5_0, Q8_0; ``tests/
-    test_gguf_build.py``'s shapes) and, like the real files, its tokenizer in the metadata (gpt2 byte-level BPE over
-    the 256 bytes, no merges), from which transformers reads the vocabulary and the build the tokenizer."""
-    import gguf
-    import numpy as np
-
-    from tests.test_gguf_build import FFN, HEADS, HIDDEN, KINDS, KV_HEADS, LAYERS, VOCAB
-    from tests.test_gguf_kinds import gguf_blocks
-    rng = np.random.default_rng(seed)
-    head_dim = HIDDEN // HEADS
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    for key, value in (("block_count", LAYERS), ("context_length", 512), ("embedding_length", HIDDEN),
-                       ("feed_forward_length", FFN), ("head_count", HEADS), ("head_count_kv", KV_HEADS)):
-        getattr(writer, f"add_{key}")(value)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(byte_tokens()[:VOCAB])
-    writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
-    writer.add_token_scores([0.0] * VOCAB)      # no merges: transformers derives them from the vocabulary (none)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    quant = gguf.GGMLQuantizationType
-    outputs = {"attn_q": HEADS * head_dim, "attn_k": KV_HEADS * head_dim, "attn_v": KV_HEADS * head_dim,
-               "attn_output": HIDDEN, "ffn_gate": FFN, "ffn_up": FFN, "ffn_down": HIDDEN}
-    writer.add_tensor("token_embd.weight", gguf_blocks("Q8_0", VOCAB, HIDDEN, rng), raw_dtype=quant.Q8_0)
-    for layer in range(LAYERS):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{layer}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-        for part, rows in outputs.items():
-            k = FFN if part == "ffn_down" else HIDDEN
-            writer.add_tensor(f"blk.{layer}.{part}.weight", gguf_blocks(KINDS[part], rows, k, rng),
-                              raw_dtype=quant[KINDS[part]])
-            if part in ("attn_q", "attn_k", "attn_v"):
-                writer.add_tensor(f"blk.{layer}.{part}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    writer.add_tensor("output.weight", gguf_blocks("Q6_K", VOCAB, HIDDEN, rng), raw_dtype=quant.Q6_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """A tiny qwen2 GGUF with the real pair's block kinds (Q4_K / Q6_K projections, Q5_0, Q8_0) and, like the real
+    files, its tokenizer in the metadata: ``tests/test_gguf_build.py``'s file."""
+    from tests.test_gguf_build import write_tiny_qwen2
+    return write_tiny_qwen2(path, seed=seed, with_tokenizer=True)
 
 
 def write_smoke_pair(folder: Path) -> Path:
