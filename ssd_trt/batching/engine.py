@@ -176,6 +176,7 @@ class LLMEngine:
             self.lane.recover()
         self.metrics.generated_tokens += outputs.tokens
         self.metrics.running, self.metrics.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        self.metrics.kv_cache_usage = self.scheduler.kv_usage()
 
     def fan_out(self, settings) -> dict:
         """The fan-out shapes SSD groups with these settings learned (``FanOutPlanners.describe``)."""

@@ -52,6 +52,7 @@ class EngineMetrics:
     active_batch: int = 0                # rows in the last round
     running: int = 0                     # requests admitted and not finished
     waiting: int = 0
+    kv_cache_usage: float = 0.0          # the fraction of the KV budget the running requests reserve (0..1)
     aborted: int = 0                     # requests stopped by abort()
     accepted_per_pos: Counter = field(default_factory=Counter)   # position i: drafts whose i-th token was accepted
     backup_rounds: Counter = field(default_factory=Counter)      # SSD cache misses, by what proposed instead

@@ -97,9 +97,18 @@ class Scheduler:
     def _fits(self, seq: SequenceState) -> bool:
         """KV memory: the caches are dense (rows x the longest row), so one more request fits while (rows + 1) x the
         longest request's need (prompt + max new tokens + the mode's headroom) stays within the budget."""
-        need = max(len(s.prompt) + s.params.max_new_tokens + s.resolved.settings.headroom
-                   for s in self.running + [seq])
-        return (len(self.running) + 1) * need <= self.kv_budget_tokens
+        return self._reserved(self.running + [seq]) <= self.kv_budget_tokens
+
+    @staticmethod
+    def _reserved(rows: list[SequenceState]) -> int:
+        """The KV slots ``rows`` reserve: rows x the longest one's need (the caches are dense)."""
+        return len(rows) * max((len(s.prompt) + s.params.max_new_tokens + s.resolved.settings.headroom
+                                for s in rows), default=0)
+
+    def kv_usage(self) -> float:
+        """The fraction (0..1) of the KV budget the running requests reserve: what admission checks, so at 1 the next
+        request waits (vLLM's kv_cache_usage_perc, for a dense cache)."""
+        return min(1.0, self._reserved(self.running) / self.kv_budget_tokens)
 
     def lay_out(self, plans: dict[int, RoundPlan], target: Engine, lane: DraftLane) -> None:
         """Order the rows by their plans' groups; rearrange the caches only when that order changed. A request that

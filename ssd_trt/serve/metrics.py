@@ -27,6 +27,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 # the engine's finish reasons as OpenAI and vLLM name them (EOS and a stop token or string both "stop")
 FINISHED_REASON = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+# why a frontend refused a request before queueing it (each reported, as 0, before it first occurs)
+REJECTED_REASONS = ("bad_request", "model_not_found", "queue_full", "unauthorized")
 PENDING_OBSERVATIONS = 10_000     # kept for a frontend that replays observations (Triton); older ones are dropped
 
 
@@ -73,6 +75,7 @@ class ServingMetrics:
     ended). Written by the step loop's thread, read by any."""
     prompt_tokens: int = 0
     finished: Counter = field(default_factory=Counter)     # by FINISHED_REASON
+    rejected: Counter = field(default_factory=Counter)     # by REJECTED_REASONS: refused before being queued
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
@@ -111,12 +114,18 @@ def families(engine: EngineMetrics, serving: ServingMetrics) -> list[Family]:
              engine.running),
         _one("num_requests_waiting", "gauge", "Requests waiting for a running slot (KV memory or max batch).",
              engine.waiting),
+        _one("kv_cache_usage_perc", "gauge", "KV-cache usage: the fraction (0..1) of the KV slots the running "
+             "requests reserve (rows x the longest request's need: the caches are dense); at 1 requests wait.",
+             engine.kv_cache_usage),
         _one("prompt_tokens", "counter", "Prompt tokens of the requests accepted.", serving.prompt_tokens),
         _one("generation_tokens", "counter", "Tokens generated (committed by the engine step).",
              engine.generated_tokens),
         _by("request_success", "Requests finished, by finish reason (stop: EOS, a stop token or string; length: "
             "max_tokens; abort: the client cancelled or went away).", "finished_reason", serving.finished,
             ("stop", "length", "abort")),
+        _by("request_rejected", "Requests refused before being queued, by reason (queue_full: 503, retry later; "
+            "bad_request: 400; model_not_found: 404; unauthorized: 401, a missing or wrong API key).", "reason",
+            serving.rejected, REJECTED_REASONS),
         Family(PREFIX + "time_to_first_token_seconds", "histogram",
                "Seconds from a request's arrival to its first generated token.", histogram=serving.ttft),
         Family(PREFIX + "inter_token_latency_seconds", "histogram",

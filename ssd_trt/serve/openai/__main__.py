@@ -11,6 +11,11 @@ import sys
 from pathlib import Path
 
 from ssd_trt.errors import SsdTrtError
+from ssd_trt.serve.openai.auth import ENV_KEY, api_key
+
+# 45 s: a 5 s preStop sleep, the drain, then the last writes and the engines' close fit the 60 s grace period of a pod
+# (deploy/kubernetes)
+GRACEFUL_TIMEOUT_S = 45.0
 
 SERVER_PACKAGES = ("fastapi", "starlette", "uvicorn", "anyio", "openai")
 
@@ -21,7 +26,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("build_dir", type=Path, help="a build directory (python -m ssd_trt.build)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", help="the model's name in the API (default: the build directory's name)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model's names in the API (default: the build directory's name); the first is the one "
+                        "responses and /v1/models report, requests may use any (as vLLM's)")
+    p.add_argument("--api-key", default=None,
+                   help=f"a key every /v1 request must send as 'Authorization: Bearer KEY' (401 otherwise; /health "
+                        f"and /metrics stay open); default: the environment's {ENV_KEY}, else none")
+    p.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S, metavar="SECONDS",
+                   help="after SIGTERM, how long requests in flight get to finish before the server stops (keep it "
+                        "within the pod's terminationGracePeriodSeconds less its preStop sleep)")
     p.add_argument("--max-batch-rows", type=int, default=0,
                    help="requests decoded together (default and at most: the engine's max batch)")
     p.add_argument("--max-waiting", type=int, default=1024,
@@ -41,11 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         from ssd_trt.serve.openai.load_bench import main as load_bench
         return load_bench(argv[1:])
     args = parser().parse_args(argv)
+    if args.graceful_timeout < 0:
+        parser().error(f"--graceful-timeout must be >= 0 seconds, got {args.graceful_timeout}")
+    names = args.served_model_name or [None]
     try:
         from ssd_trt.serve.openai.server import ServerOptions, serve
-        options = ServerOptions(args.build_dir, args.host, args.port, args.served_model_name, args.max_batch_rows,
+        options = ServerOptions(args.build_dir, args.host, args.port, names[0], args.max_batch_rows,
                                 args.max_waiting, json.loads(args.runtime_options), not args.no_verify,
-                                not args.no_warmup, args.log_level, not args.no_access_log)
+                                not args.no_warmup, args.log_level, not args.no_access_log, aliases=tuple(names[1:]),
+                                api_key=api_key(args.api_key), graceful_timeout=args.graceful_timeout)
         return serve(options)
     except json.JSONDecodeError as exc:
         print(f"error: --runtime-options is not valid JSON ({exc})", file=sys.stderr)

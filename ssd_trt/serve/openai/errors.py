@@ -3,7 +3,8 @@
 Every bad request is a 400 carrying ssd_trt's own :class:`~ssd_trt.errors.RequestError` message (what was wrong and
 how to fix it), with ``param`` naming the field where it can be told; an unknown model a 404, as OpenAI answers; a
 full queue a 503 with ``Retry-After`` (the client retries; the OpenAI client does so by itself); anything unexpected
-a 500 whose message names the exception, never a traceback (that goes to the server's log).
+a 500 whose message names the exception, never a traceback (that goes to the server's log). A request refused
+before it was queued (400, 401, 404, 503 queue_full) is counted in ``ssd_trt:request_rejected_total`` by reason.
 """
 from __future__ import annotations
 
@@ -61,3 +62,19 @@ def from_exception(exc: BaseException) -> ApiError:
     if isinstance(exc, SsdTrtError):
         return ApiError(500, str(exc), "server_error", code="generation_failed")
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
+
+
+def rejection_reason(error: ApiError) -> str | None:
+    """What a refused request is counted under (``serve/metrics.py``'s REJECTED_REASONS); None: not a refusal (a
+    failure of the server's own, or the model still loading)."""
+    if error.code in ("queue_full", "model_not_found"):
+        return error.code
+    return {400: "bad_request", 401: "unauthorized"}.get(error.status)
+
+
+def count_rejection(core: object | None, error: ApiError) -> None:
+    """Count a refused request in the serving loop's metrics (``core``: None while the model loads, when /metrics
+    answers 503 and nothing is counted)."""
+    reason, metrics = rejection_reason(error), getattr(core, "metrics", None)
+    if reason is not None and metrics is not None:
+        metrics.rejected[reason] += 1

@@ -81,10 +81,13 @@ def _stop(body: dict) -> tuple[str, ...]:
     raise bad_request(f"stop must be a string or a list of strings, got {stop!r}", "stop")
 
 
-def check_model(body: dict, served: str) -> None:
+def check_model(body: dict, names: tuple[str, ...]) -> None:
+    """``model`` (optional) must be one of the served names (``--served-model-name``: the first is the one reported,
+    the others aliases, as vLLM's); any other is OpenAI's 404."""
     model = body.get("model")
-    if model is not None and model != served:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served!r} (GET /v1/models)",
+    if model is not None and model not in names:
+        served = " or ".join(repr(name) for name in names)
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served} (GET /v1/models)",
                        param="model", code="model_not_found")
 
 
@@ -176,11 +179,12 @@ def _prompt_ids(body: dict, core: ServingCore) -> list[int]:
     return core.generator.encode(prompt)
 
 
-def parse(body: Any, core: ServingCore, served: str, chat: bool) -> Parsed:
-    """Check one request completely before anything is queued (a RequestError or ApiError names what is wrong)."""
+def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> Parsed:
+    """Check one request completely before anything is queued (a RequestError or ApiError names what is wrong);
+    ``names``: the model names it may ask for."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None)
-    check_model(body, served)
+    check_model(body, names)
     _refuse_unsupported(body)
     stream = _flag(body, "stream")
     options = body.get("stream_options")

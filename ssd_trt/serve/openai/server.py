@@ -26,6 +26,9 @@ class ServerOptions:
     warmup: bool = True
     log_level: str = "info"
     access_log: bool = True
+    aliases: tuple[str, ...] = ()          # further names requests may use (--served-model-name's others)
+    api_key: str | None = None             # None: no key needed (auth.py)
+    graceful_timeout: float = 45.0         # seconds streams in flight get to finish after SIGTERM
 
     @property
     def served_name(self) -> str:
@@ -63,10 +66,11 @@ def serve(options: ServerOptions) -> int:
     if options.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {options.max_waiting}")
     failures: list[str] = []
-    state = ServerState(options.served_name, lambda: load_core(options), log)
+    state = ServerState(options.served_name, lambda: load_core(options), log, aliases=options.aliases,
+                        api_key=options.api_key)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=options.host, port=options.port,
                                            log_level=options.log_level, access_log=options.access_log,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=options.graceful_timeout))
 
     def failed(message: str) -> None:
         failures.append(message)
