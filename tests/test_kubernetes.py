@@ -7,7 +7,10 @@ must be equal. The rendered core objects must pass the Kubernetes JSON schemas b
 (strict: no unknown field), the PodMonitor a schema of its CRD's fields written here. Then the checks a cluster
 would only show at run time: GPUs per replica = tensor_parallel + 1, the HPA's target and metric, selectors, probe
 and scrape ports, the build Job writing where the servers read, the adapter rule turning the servers' gauge into
-the HPA's metric. Nothing here needs a cluster or the network.
+the HPA's metric; the OpenAI server's arguments parse and name the model by its hub id; a terminating pod sleeps
+in preStop, then drains within its grace period; pods are pinned to the GPU model the engines were built on; a
+disruption budget covers them; the PodMonitor carries kube-prometheus-stack's label. Nothing here needs a cluster or
+the network.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ HEALTH = {"openai": {"readinessProbe": "/health", "livenessProbe": "/health", "s
           "triton": {"readinessProbe": "/v2/health/ready", "livenessProbe": "/v2/health/live",
                      "startupProbe": "/v2/health/ready"}}
 GPU = "nvidia.com/gpu"
+GPU_PRODUCT = "nvidia.com/gpu.product"    # GPU feature discovery's label for the GPU model
+PROMETHEUS_RELEASE = {"release": "kube-prometheus-stack"}   # what kube-prometheus-stack's Prometheus selects on
+SHUTDOWN_SPARE_S = 10                     # after the drain: the last events, the engines' close
 
 jsonpatch = pytest.importorskip("jsonpatch", reason="pip install -e '.[test]' (jsonpatch renders the overlays)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
@@ -290,6 +296,77 @@ def test_the_build_job_writes_the_build_directory_every_server_reads():
                 assert "ReadWriteMany" in claims[volume["persistentVolumeClaim"]["claimName"]]["accessModes"]
 
 
+def openai_arguments(container: dict):
+    """The OpenAI server's parsed arguments, $(VAR)s expanded from the container's env as the kubelet does."""
+    from ssd_trt.serve.openai.__main__ import parser
+    values = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], arg) for arg in container["args"]]
+    assert args[:3] == ["python3", "-m", "ssd_trt.serve.openai"], args
+    return parser().parse_args(args[3:])
+
+
+def test_the_openai_server_is_named_by_its_targets_hub_id_and_its_arguments_parse(rendered):
+    target, objects = rendered
+    container = server(objects)
+    if frontend(container) == "triton":
+        pytest.skip("Triton names the model by its repository")
+    args = openai_arguments(container)
+    recipe = recipe_named(PurePosixPath(args.build_dir).name)
+    hub_id = args.served_model_name[0]
+    assert re.fullmatch(r"[\w.-]+/[\w.-]+", hub_id), f"{target}: {hub_id} is not a hub id (org/name)"
+    assert hub_id.split("/")[1] == PurePosixPath(recipe["target"]["source"]).name, f"{target}: {hub_id}"
+
+
+def test_a_terminating_pod_leaves_the_service_then_drains_within_its_grace_period(rendered):
+    target, objects = rendered
+    spec, container = pod_spec(objects["Deployment"]), server(objects)
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and 0 < int(command[1]) <= 15, command
+    if frontend(container) == "openai":
+        drain = openai_arguments(container).graceful_timeout
+    else:
+        drain = int(re.search(r"--exit-timeout-secs=(\d+)", " ".join(container["args"])).group(1))
+    assert drain >= 30, f"{target}: --graceful-timeout {drain}s leaves long streams no time to finish"
+    assert int(command[1]) + drain + SHUTDOWN_SPARE_S <= spec["terminationGracePeriodSeconds"], target
+
+
+def gpu_products(obj: dict) -> list[str]:
+    """The GPU models a pod may run on (a required node affinity on GPU feature discovery's label)."""
+    terms = pod_spec(obj)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    (term,) = terms
+    (expression,) = [e for e in term["matchExpressions"] if e["key"] == GPU_PRODUCT]
+    assert expression["operator"] == "In"
+    return expression["values"]
+
+
+def test_servers_run_only_on_the_gpu_model_their_engines_were_built_on(rendered):
+    target, objects = rendered
+    (product,) = gpu_products(objects["Deployment"])
+    assert product.startswith("NVIDIA-"), f"{target}: {product} is not a GPU feature discovery product name"
+    (job,) = [o for o in render("engines") if o["kind"] == "Job"]
+    if target != "overlays/tp4":            # the 70B engines come from another run of the Job
+        assert gpu_products(job) == [product], f"{target}: the build Job runs on another GPU model"
+
+
+def test_a_disruption_budget_covers_the_servers_without_blocking_node_drains(rendered):
+    target, objects = rendered
+    budget, hpa = objects["PodDisruptionBudget"], objects["HorizontalPodAutoscaler"]
+    labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    selector = budget["spec"]["selector"]["matchLabels"]
+    assert selector and selector.items() <= labels.items(), f"{target}: {selector} does not select {labels}"
+    # at the HPA's minimum a drain must still be able to evict one pod
+    allowed = budget["spec"].get("maxUnavailable", hpa["spec"]["minReplicas"] - budget["spec"].get("minAvailable", 0))
+    assert allowed >= 1, f"{target}: the budget blocks every eviction at {hpa['spec']['minReplicas']} replica(s)"
+
+
+def test_the_podmonitor_carries_the_label_kube_prometheus_stack_selects(rendered):
+    target, objects = rendered
+    labels = objects["PodMonitor"]["metadata"]["labels"]
+    assert PROMETHEUS_RELEASE.items() <= labels.items(), f"{target}: {labels}"
+    assert PROMETHEUS_RELEASE["release"] in (DEPLOY / "README.md").read_text(), "the README names the label"
+
+
 # --- prometheus-adapter ---------------------------------------------------------------------------------------
 
 def adapter_rules() -> list[dict]:
@@ -319,3 +396,6 @@ def test_every_frontend_exports_the_gauge_the_adapter_reads():
     from ssd_trt.serve.metrics import ServingMetrics, families
     kinds = {family.name: family.kind for family in families(EngineMetrics(), ServingMetrics())}
     assert kinds.get(WAITING_GAUGE) == "gauge"
+    # what routers (the Gateway API inference extension) read beside it, as vLLM's vllm:kv_cache_usage_perc
+    assert kinds.get("ssd_trt:kv_cache_usage_perc") == "gauge"
+    assert kinds.get("ssd_trt:request_rejected") == "counter"
