@@ -81,7 +81,13 @@ class EchoCore:
     def check(self, ids, params, settings, stream):
         return Submission(ids, params, settings, stream)
 
-    def submit(self, submission, handle) -> str:
+    def refusal(self) -> str | None:
+        return None
+
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+    def submit(self, submission, handle, arrived=None) -> str:     # noqa: ARG002
         if self.full:
             raise CapacityError("1 requests are already waiting for one of 1 running slots (max_waiting 1); "
                                 "retry later")
@@ -148,7 +154,7 @@ class EndlessCore(EchoCore):
         super().__init__()
         self.aborted = threading.Event()
 
-    def submit(self, submission, handle) -> str:
+    def submit(self, submission, handle, arrived=None) -> str:     # noqa: ARG002
         def answer() -> None:
             while not self.aborted.is_set():
                 try:

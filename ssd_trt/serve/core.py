@@ -16,8 +16,16 @@ every frontend:
   first token, inter-token and end-to-end latency).
 
 A send that fails (the client is gone) marks the request gone: nothing more is sent to it and it is aborted; the
-other requests never notice. A step that raises fails the requests in the engine with an error (the engines stay
-usable); a queue that is full refuses the request at :meth:`ServingCore.submit` (``CapacityError``).
+other requests never notice. A step that raises (or whose outputs cannot be handed over) fails the requests in the
+engine with an error (the engines stay usable); a queue that is full refuses the request at :meth:`ServingCore.submit`
+(``CapacityError``).
+
+The engine forgets every request it was given: a finished request's result is taken when it is delivered, and the
+results of failed or aborted requests (whose answer was already an error) are taken too, when their abort shows up
+in a later step's outputs or, after a failed step, at once (``_take_results``). Should the step thread itself die,
+every pending request gets an error, the scheduler is emptied, and :meth:`ServingCore.health` says so (a frontend's
+health probe fails, so an orchestrator restarts the server); it says so too when the loop has requests and made no
+progress for ``stall_after_s``.
 """
 from __future__ import annotations
 
@@ -42,10 +50,16 @@ from ssd_trt.serve.metrics import families as metric_families
 WARMUP_PROMPT = "Hello"
 CANCEL_POLL_S = 0.1     # how often the sender thread asks the handles whether their client cancelled
 METRICS_EVERY_S = 0.5   # how often the sender thread runs the frontends' metric exporters
+STALL_AFTER_S = 120.0   # a loop with requests and no finished step for this long is reported stalled (one step of a
+                        # long prefill on a slow CPU takes seconds; minutes means it is wedged)
 
 
 class RequestCancelled(RequestError):
     """The request was aborted because its client cancelled it or went away."""
+
+
+class ServingStopped(SsdTrtError):
+    """The serving loop cannot take or finish requests: it is shutting down, or its step thread died."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,7 @@ class Job:
     submission: Submission
     handle: Handle
     detokenizer: Detokenizer | None
-    received: float = field(default_factory=time.perf_counter)
+    received: float = field(default_factory=time.perf_counter)   # its arrival (before tokenizing), for TTFT
     last_tokens_at: float | None = None       # the step thread's clock when its latest tokens arrived
     gone: bool = False                        # the client is gone (a send failed, the HTTP side left): send nothing
     cancelled: bool = False                   # the client cancelled (Triton): no more chunks, a CANCELLED final
@@ -113,58 +127,92 @@ def warm_up(generator: Generator) -> None:
 
 
 class StepLoop:
-    """One thread that runs the engine's steps while any request is unfinished, and sleeps otherwise."""
+    """One thread that runs the engine's steps while any request is unfinished, and sleeps otherwise.
+
+    A step that raises, or whose outputs cannot be handed over, goes to ``on_error`` and the loop goes on. Anything
+    else that ends the thread (``on_error`` itself raising, a BaseException) is kept in :attr:`died` and handed to
+    ``on_death`` as the thread ends, so that no request waits on a loop that is gone."""
 
     def __init__(self, llm: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
-                 on_error: Callable[[BaseException], None], cores: tuple[int, ...] | None) -> None:
-        self.llm, self.on_outputs, self.on_error, self.cores = llm, on_outputs, on_error, cores
+                 on_error: Callable[[BaseException], None], on_death: Callable[[BaseException], None],
+                 cores: tuple[int, ...] | None) -> None:
+        self.llm, self.on_outputs, self.on_error, self.on_death, self.cores = llm, on_outputs, on_error, on_death, cores
+        self.died: BaseException | None = None
+        self.progressed = time.monotonic()       # when the loop last finished a step or woke up to work
+        self._idle = True
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="ssd-trt-step", daemon=True)
         self._thread.start()
 
     def wake(self) -> None:
+        if self._idle:                           # work starts now: an idle loop is not a stalled one
+            self.progressed = time.monotonic()
         self._wake.set()
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Finish the requests in the engine, then stop."""
+    @property
+    def alive(self) -> bool:
+        return self.died is None and self._thread.is_alive()
+
+    def stalled_for(self) -> float:
+        """Seconds since the loop last made progress while it has requests (0 while it has none)."""
+        if self._idle and not self.llm.has_unfinished():
+            return 0.0
+        return time.monotonic() - self.progressed
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Finish the requests in the engine, then stop; whether the thread ended within ``timeout``."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
-        pin(self.cores)                          # this thread is the target's device
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            while self.llm.has_unfinished():
-                try:
-                    outputs = self.llm.step()
-                except Exception as exc:  # noqa: BLE001 -- every request must still get an answer
-                    self.on_error(exc)
-                    continue
-                self.on_outputs(outputs)
-            if self._stopping:
-                return
+        try:
+            pin(self.cores)                      # this thread is the target's device
+            while True:
+                self._idle = True
+                self._wake.wait()
+                self._wake.clear()
+                self._idle, self.progressed = False, time.monotonic()
+                while self.llm.has_unfinished():
+                    try:
+                        self.on_outputs(self.llm.step())
+                    except Exception as exc:  # noqa: BLE001 -- every request must still get an answer
+                        self.on_error(exc)
+                    self.progressed = time.monotonic()
+                if self._stopping:
+                    return
+        except BaseException as exc:  # noqa: BLE001 -- the thread ends: say why, and answer everyone
+            self.died = exc
+            self.on_death(exc)
 
 
 class ServingCore:
     """The engine step over a loaded build, with its step thread, its sender thread and its metrics."""
 
     def __init__(self, generator: Generator, max_running: int, log: Callable[[str], None] = print,
-                 max_waiting: int = 1024, calibrate: bool = True) -> None:
+                 max_waiting: int = 1024, calibrate: bool = True, stall_after_s: float = STALL_AFTER_S,
+                 wrap_engine: Callable[[LLMEngine], LLMEngine] | None = None) -> None:
+        """``stall_after_s``: see :meth:`health`. ``wrap_engine``: what serves instead of the engine step (a test's
+        fault injector around it)."""
         self.generator = generator
         self.log = log
         self.llm = LLMEngine(generator, max_running=max_running, max_waiting=max_waiting, calibrate=calibrate)
+        if wrap_engine is not None:
+            self.llm = wrap_engine(self.llm)
+        self.stall_after_s = stall_after_s
         self.metrics = ServingMetrics()
         self.exporters: list[Callable[[], None]] = []    # run on the sender thread: periodically, before each final
         self.jobs: dict[str, Job] = {}
+        self.stopping: str | None = None                  # why new requests are refused (shutting down)
+        self._untaken: set[str] = set()                   # ids in the engine whose result was not taken yet
         self._ids = 0
         self._lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name="ssd-trt-send", daemon=True)
         self._sender.start()
-        self.loop = StepLoop(self.llm, self._deliver, self.fail_all, generator.options.step_cores)
+        self.loop = StepLoop(self.llm, self._deliver, self.fail_all, self._loop_died, generator.options.step_cores)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.generator.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -177,24 +225,61 @@ class ServingCore:
         [ids], resolved = self.generator.check_request([prompt_ids], params, settings)
         return Submission(ids, params, resolved, stream)
 
-    def submit(self, submission: Submission, handle: Handle) -> str:
-        """Queue a checked request; its answers go to ``handle``. Raises CapacityError when the queue is full."""
+    def submit(self, submission: Submission, handle: Handle, arrived: float | None = None) -> str:
+        """Queue a checked request; its answers go to ``handle``. ``arrived``: when the request arrived
+        (``time.perf_counter()``, before it was tokenized: time to first token counts from there; default now).
+        Raises CapacityError when the queue is full, ServingStopped when the loop takes no more requests."""
+        refusal = self.refusal()
+        if refusal is not None:
+            raise ServingStopped(refusal)
         hold = max((len(text) for text in submission.params.stop), default=1) - 1
         detokenizer = Detokenizer(self.decode, hold) if submission.stream else None
         with self._lock:
             self._ids += 1
             request_id = str(self._ids)
             self.jobs[request_id] = Job(request_id, submission, handle, detokenizer)
+            if arrived is not None:
+                self.jobs[request_id].received = arrived
+            self._untaken.add(request_id)
         try:
             self.llm.add_request(submission.prompt_ids, submission.params, submission.mode, request_id=request_id)
         except BaseException:
             with self._lock:
                 self.jobs.pop(request_id, None)
+                self._untaken.discard(request_id)
             raise
         with self._lock:
             self.metrics.prompt_tokens += len(submission.prompt_ids)
+            failed = request_id not in self.jobs      # a failed step answered it while it was being added
+        if failed:
+            self.llm.abort(request_id)
         self.loop.wake()
+        if not self.loop.alive:                        # died meanwhile: _loop_died may have missed it
+            self._fail_jobs(ServingStopped(self.refusal() or "the serving loop stopped"))
         return request_id
+
+    def refusal(self) -> str | None:
+        """Why no request is taken now (None: they are)."""
+        if self.loop.died is not None:
+            return f"the serving loop died ({type(self.loop.died).__name__}: {self.loop.died}); the server must be " \
+                   f"restarted"
+        return self.stopping
+
+    def health(self) -> dict[str, Any]:
+        """``status``: ok | dead (the step thread died) | stalled (requests, and no step finished for
+        ``stall_after_s``) | stopping (shutting down); what the loop holds; ``detail`` where not ok."""
+        stalled = self.loop.stalled_for()
+        with self._lock:
+            held = {"pending": len(self.jobs), "untaken": len(self._untaken)}
+        if not self.loop.alive or not self._sender.is_alive():
+            status, detail = "dead", self.refusal() or "a serving thread ended"
+        elif stalled > self.stall_after_s:
+            status, detail = "stalled", f"no engine step finished for {stalled:.0f}s while requests wait"
+        elif self.stopping is not None:
+            status, detail = "stopping", self.stopping
+        else:
+            status, detail = "ok", None
+        return {"status": status, **({"detail": detail} if detail else {}), **held}
 
     def abort(self, request_id: str) -> None:
         """The client went away: send it nothing more; its rows are freed at the next step."""
@@ -208,11 +293,30 @@ class ServingCore:
         """The metrics, read now (``serve/metrics.py``)."""
         return metric_families(self.llm.metrics, self.metrics)
 
-    def close(self) -> None:
-        self.loop.close()
-        self.llm.close()
+    def drain(self, grace_s: float, reason: str = "the server is shutting down") -> bool:
+        """Refuse new requests, let the pending ones finish for up to ``grace_s`` seconds, then end the rest with an
+        error (``ServingStopped``: a streamed client gets it as its last event). Whether every request finished."""
+        self.stopping = reason
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self.jobs:
+                    return True
+            time.sleep(0.05)
+        self._fail_jobs(ServingStopped(f"{reason}; the request did not finish within the {grace_s:g}s grace period"))
+        return False
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: every request still pending is ended with an error; the step thread stops before the engine
+        closes (an engine closed under a running step would fail it in any way); the sender stops last."""
+        self.stopping = self.stopping or "the server is shutting down"
+        self._fail_jobs(ServingStopped(self.stopping))
+        if self.loop.close(timeout):
+            self.llm.close()
+        else:
+            self.log(f"ssd_trt: the step thread did not stop within {timeout:g}s; the engine is left open")
         self._outbox.put(None)
-        self._sender.join(30.0)
+        self._sender.join(timeout)
 
     # -- the step thread -----------------------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -224,6 +328,8 @@ class ServingCore:
                 job = self.jobs.get(output.request_id)
                 if job is not None and output.finished:
                     del self.jobs[output.request_id]
+                if job is None and output.finished:       # already answered (an error): the engine forgets it
+                    self._take(output.request_id)
             if job is None:
                 continue
             if output.new_tokens:
@@ -235,20 +341,63 @@ class ServingCore:
             if output.finished:
                 self.metrics.e2e.observe(now - job.received)
                 self.metrics.finished[FINISHED_REASON.get(output.finish_reason, "error")] += 1
-                self._outbox.put((job, "final", (output.new_tokens, self.llm.take_result(output.request_id))))
+                with self._lock:
+                    seq = self._take(output.request_id)
+                self._outbox.put((job, "final", (output.new_tokens, seq)))
             elif job.submission.stream and output.new_tokens:
                 self._outbox.put((job, "chunk", output.new_tokens))
 
     def fail_all(self, exc: BaseException) -> None:
-        """The engine step failed: every request in it gets an error (the engines stay usable)."""
+        """The engine step failed (on the step thread): every request in it gets an error (the engines stay usable),
+        and the engine forgets them: the results of those that finished in the failed step (their outputs were
+        lost) are taken now, the others are aborted and taken when the abort is reported."""
         if not isinstance(exc, SsdTrtError):
             self.log(f"ssd_trt: generation failed: {traceback.format_exc()}")
+        self._fail_jobs(exc)
+        self._take_results()
+
+    def _fail_jobs(self, exc: BaseException) -> None:
+        """Every pending request gets ``exc`` as its answer and is aborted (any thread)."""
         with self._lock:
             jobs, self.jobs = self.jobs, {}
         for request_id, job in jobs.items():
+            job.aborting = True
             self.llm.abort(request_id)
             self.metrics.finished["error"] += 1
             self._outbox.put((job, "error", exc))
+
+    def _take(self, request_id: str) -> SequenceState | None:
+        """A finished request's result, out of the engine (under the lock); None if it was taken already."""
+        self._untaken.discard(request_id)
+        try:
+            return self.llm.take_result(request_id)
+        except KeyError:
+            return None
+
+    def _take_results(self) -> None:
+        """Take every finished result no pending request waits for (the step thread: no step runs meanwhile)."""
+        with self._lock:
+            for request_id in [r for r in self._untaken if r not in self.jobs]:
+                try:
+                    self.llm.take_result(request_id)
+                except KeyError:          # not finished yet: its abort is reported by a later step
+                    continue
+                self._untaken.discard(request_id)
+
+    def _loop_died(self, exc: BaseException) -> None:
+        """The step thread is ending (on it): every pending request gets an error, and the engine forgets all it
+        held (no step will run again to finish or abort it)."""
+        self.log(f"ssd_trt: the serving loop died: {''.join(traceback.format_exception(exc))}")
+        self._fail_jobs(ServingStopped(self.refusal() or "the serving loop died"))
+        with self._lock:
+            untaken = list(self._untaken)
+        for request_id in untaken:
+            self.llm.abort(request_id)
+        try:            # one last step applies the aborts: with no request left running it runs no model
+            self.llm.step()
+        except BaseException:  # noqa: BLE001 -- the engine may be what failed; the results are taken regardless
+            self.log(f"ssd_trt: the last step after the loop died failed: {traceback.format_exc()}")
+        self._take_results()
 
     # -- the sender thread ---------------------------------------------------------------------------------------
     def _send_loop(self) -> None:

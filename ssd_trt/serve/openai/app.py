@@ -1,6 +1,7 @@
 """The HTTP layer: FastAPI routes over the shared serving loop (``serve/core.py``); nothing else lives here.
 
-    GET  /health                 200 once the model is loaded and warmed up, 503 before
+    GET  /health                 200 once the model is loaded and warmed up and while its serving loop works; 503
+                                 while loading, once the loop died or stalled, and while shutting down
     GET  /v1/models              the one model this server serves
     POST /v1/completions         a prompt (``protocol.py`` lists the fields)
     POST /v1/chat/completions    messages, through the tokenizer's chat template
@@ -11,7 +12,8 @@ The server listens at once and loads the build on a thread (``ServerState.load``
 the OpenAI error object otherwise) and then handed to the serving loop with a :class:`~.stream.QueueHandle`; a
 streamed one is answered as server-sent events, a plain one when it finishes. A client that goes away has its
 request aborted: while streaming the response notices at once (``AbortingStream``); while waiting for a plain answer
-the route asks every ``DISCONNECT_POLL_S``.
+the route asks every ``DISCONNECT_POLL_S``. Tokenizing and the chat template run on a worker thread: a long prompt
+never holds up the event loop (other streams' chunks, the probes).
 """
 from __future__ import annotations
 
@@ -30,8 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ssd_trt.serve.core import ServingCore
 from ssd_trt.serve.metrics import render
-from ssd_trt.serve.openai.auth import ApiKeyAuth
-from ssd_trt.serve.openai.errors import ApiError, bad_request, count_rejection, from_exception
+from ssd_trt.serve.openai.errors import ApiError, bad_request, from_exception
 from ssd_trt.serve.openai.protocol import Chunks, Parsed, error_event, new_id, parse, response
 from ssd_trt.serve.openai.stream import AbortingStream, QueueHandle
 
@@ -48,8 +49,6 @@ class ServerState:
     core: ServingCore | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     max_context: int | None = None
-    aliases: tuple[str, ...] = ()                 # further names requests may use (--served-model-name)
-    api_key: str | None = None                    # None: no key needed (auth.py)
 
     def start_loading(self) -> threading.Thread:
         def run() -> None:
@@ -70,6 +69,9 @@ class ServerState:
         if self.core is None:
             raise ApiError(503, "the model is still loading; retry when GET /health answers 200",
                            "service_unavailable_error", code="loading", headers={"Retry-After": "5"})
+        refusal = self.core.refusal()
+        if refusal is not None:
+            raise ApiError(503, refusal, "service_unavailable_error", code="unavailable")
         return self.core
 
 
@@ -87,12 +89,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="ssd-trt OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    if state.api_key:
-        app.add_middleware(ApiKeyAuth, key=state.api_key, on_reject=lambda error: count_rejection(state.core, error))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:     # noqa: ARG001
-        count_rejection(state.core, exc)
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -110,7 +109,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if state.core is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        health = state.core.health()
+        return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -135,6 +135,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await generate(request, chat=True)
 
     async def generate(request: Request, chat: bool) -> Response:
+        arrived = time.perf_counter()                  # time to first token counts from here
         core = state.ready_core()
         raw = await request.body()
         try:
@@ -142,9 +143,9 @@ def create_app(state: ServerState) -> FastAPI:
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"the request body is not valid JSON ({exc})", None) from None
         try:
-            parsed = parse(body, core, (state.model, *state.aliases), chat)
+            parsed = await asyncio.to_thread(parse, body, core, state.model, chat)    # tokenizes
             handle = QueueHandle(asyncio.get_running_loop())
-            request_id = core.submit(parsed.submission, handle)
+            request_id = core.submit(parsed.submission, handle, arrived)
         except Exception as exc:  # noqa: BLE001 -- every refusal is an OpenAI error object
             error = from_exception(exc)
             if error.status >= 500:             # not the request's fault: the log keeps the whole story
@@ -161,23 +162,28 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def whole(request: Request, handle: QueueHandle, parsed: Parsed, answer_id: str,
                     abort: Callable[[], None]) -> Response:
-        """A plain request's answer, once it finished; aborted if its client goes away meanwhile."""
+        """A plain request's answer, once it finished; aborted if its client goes away meanwhile, or if the server
+        gives up on it (its task is cancelled at shutdown)."""
         clock = asyncio.get_running_loop().time
         asked = clock()
-        while True:
-            try:
-                kind, payload = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                kind, payload = "waiting", None
-            if kind == "final":
-                return JSONResponse(response(parsed, answer_id, state.model, payload))
-            if kind == "error":
-                return error_response(from_exception(payload))
-            if clock() - asked >= DISCONNECT_POLL_S:
-                asked = clock()
-                if await request.is_disconnected():
-                    abort()
-                    return Response(status_code=499)       # (nobody reads it: the client is gone)
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    kind, payload = "waiting", None
+                if kind == "final":
+                    return JSONResponse(response(parsed, answer_id, state.model, payload))
+                if kind == "error":
+                    return error_response(from_exception(payload))
+                if clock() - asked >= DISCONNECT_POLL_S:
+                    asked = clock()
+                    if await request.is_disconnected():
+                        abort()
+                        return Response(status_code=499)       # (nobody reads it: the client is gone)
+        except asyncio.CancelledError:
+            abort()
+            raise
 
     return app
 

@@ -1,16 +1,25 @@
-"""Run the OpenAI-compatible server: uvicorn over the app, the build loaded on a thread while it already listens."""
+"""Run the OpenAI-compatible server: uvicorn over the app, the build loaded on a thread while it already listens.
+
+Shutdown (SIGTERM, SIGINT): the server stops listening and the serving loop drains: requests in flight get
+``graceful_timeout`` seconds to finish; those still running then end with an error (a streamed one as its last event,
+then ``[DONE]``), and uvicorn, which waits ``DRAIN_MARGIN_S`` longer, sees every connection close before it would
+cut them. The step thread stops before the engines close."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ssd_trt.errors import ConfigError
 from ssd_trt.manifest import read_manifest
+from ssd_trt.batching.engine import LLMEngine
 from ssd_trt.runtime import Generator, RuntimeOptions
 from ssd_trt.serve.core import ServingCore, warm_up
+
+DRAIN_MARGIN_S = 5.0    # uvicorn's wait beyond the drain's: time to write the last events of the streams ended
 
 
 @dataclass
@@ -26,8 +35,6 @@ class ServerOptions:
     warmup: bool = True
     log_level: str = "info"
     access_log: bool = True
-    aliases: tuple[str, ...] = ()          # further names requests may use (--served-model-name's others)
-    api_key: str | None = None             # None: no key needed (auth.py)
     graceful_timeout: float = 45.0         # seconds streams in flight get to finish after SIGTERM
 
     @property
@@ -39,23 +46,25 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def load_core(options: ServerOptions) -> ServingCore:
+def load_core(options: ServerOptions, wrap_engine: Callable[[LLMEngine], LLMEngine] | None = None) -> ServingCore:
     """The build loaded (checksums verified), warmed up, and its serving loop started: what the server waits for
-    before /health answers 200."""
+    before /health answers 200. ``wrap_engine``: ``ServingCore``'s (a test's fault injector)."""
     started = time.perf_counter()
     runtime = RuntimeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.runtime_options.items()})
     generator = Generator(options.build_dir, runtime, verify_checksums=options.verify)
     if options.warmup:
         warm_up(generator)
     max_running = options.max_batch_rows or generator.limits.max_batch
-    core = ServingCore(generator, max_running, log, options.max_waiting)
+    core = ServingCore(generator, max_running, log, options.max_waiting, wrap_engine=wrap_engine)
     log(f"ssd_trt: loaded {options.build_dir} in {time.perf_counter() - started:.1f}s; serving {options.served_name!r} "
         f"at http://{options.host}:{options.port}/v1 (continuous batching up to {max_running} requests)")
     return core
 
 
-def serve(options: ServerOptions) -> int:
-    """Serve until SIGINT / SIGTERM; 1 if the build failed to load."""
+def serve(options: ServerOptions, wrap_engine: Callable[[LLMEngine], LLMEngine] | None = None,
+          add_routes: Callable[[Any, Any], None] | None = None) -> int:
+    """Serve until SIGINT / SIGTERM; 1 if the build failed to load. ``wrap_engine`` and ``add_routes`` (called with
+    the FastAPI app and its ``ServerState``) are for tests: a fault injector and the routes that drive it."""
     import uvicorn
 
     from ssd_trt.serve.openai.app import ServerState, create_app
@@ -66,15 +75,33 @@ def serve(options: ServerOptions) -> int:
     if options.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {options.max_waiting}")
     failures: list[str] = []
-    state = ServerState(options.served_name, lambda: load_core(options), log, aliases=options.aliases,
-                        api_key=options.api_key)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=options.host, port=options.port,
+    state = ServerState(options.served_name, lambda: load_core(options, wrap_engine), log)
+    app = create_app(state)
+    if add_routes is not None:
+        add_routes(app, state)
+    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
                                            log_level=options.log_level, access_log=options.access_log,
-                                           timeout_graceful_shutdown=options.graceful_timeout))
+                                           timeout_graceful_shutdown=options.graceful_timeout + DRAIN_MARGIN_S))
 
     def failed(message: str) -> None:
         failures.append(message)
         server.should_exit = True
     state.on_failure = failed
+    drain_on_exit(server, state, options.graceful_timeout)
     server.run()
     return 1 if failures else 0
+
+
+def drain_on_exit(server, state, grace_s: float) -> None:
+    """Make uvicorn's exit signal start the serving loop's drain (``ServingCore.drain``, on a thread of its own)
+    as uvicorn stops listening: uvicorn alone would only wait for the connections and then cut the streams still
+    open, without a last event."""
+    exit_server = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:
+        core = state.core
+        if core is not None and core.stopping is None:
+            core.stopping = "the server is shutting down"
+            threading.Thread(target=core.drain, args=(grace_s,), name="ssd-trt-drain", daemon=True).start()
+        exit_server(sig, frame)
+    server.handle_exit = handle_exit

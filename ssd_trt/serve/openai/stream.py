@@ -2,7 +2,8 @@
 
 :class:`QueueHandle` is the request's ``serve.core.Handle``: the sender thread's chunks, final result or error become
 items of an ``asyncio.Queue`` on the event loop (``call_soon_threadsafe``: the only thread-safe way in). The HTTP
-side awaits them.
+side awaits them. The queue is bounded (``MAX_PENDING_CHUNKS``): a client that stops reading its stream has it ended
+(see :class:`SlowReader` for why not backpressure).
 
 :class:`AbortingStream` sends server-sent events and listens for the client going away at the same time, whatever
 ASGI version the server speaks (Starlette's own streaming response notices a disconnect only when a send fails under
@@ -18,14 +19,28 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ssd_trt.errors import RequestError
 from ssd_trt.serve.core import Final
+
+# chunks queued for a stream its client has not read yet; past this it is ended. The sender thread already merges
+# what queued up while it was busy into one chunk per request, so a reader that keeps up holds a handful; 256 chunks
+# behind is a reader that stopped (its socket's buffers are full too).
+MAX_PENDING_CHUNKS = 256
+
+
+class SlowReader(RequestError):
+    """The client stopped reading its stream. The stream is ended (this error as its last event) rather than held
+    back: the engine cannot pause one row of a running batch, so backpressure would keep the request's row and KV
+    cache busy for a reader that may never come back, or stall the sender thread, and with it every other stream."""
 
 
 class QueueHandle:
-    """A request's answers, as ("chunk", text) | ("final", Final) | ("error", exception) items of ``queue``."""
+    """A request's answers, as ("chunk", text) | ("final", Final) | ("error", exception) items of ``queue``: at most
+    ``max_pending`` chunks, then a SlowReader error ends it (the sender then aborts the request)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_pending: int = MAX_PENDING_CHUNKS) -> None:
         self.loop = loop
+        self.max_pending = max_pending
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.closed = False          # the HTTP side stopped listening (its client went away)
 
@@ -35,6 +50,11 @@ class QueueHandle:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)    # raises once the loop is closed
 
     def chunk(self, text: str, token_ids: list[int]) -> None:   # noqa: ARG002 -- OpenAI streams text only
+        if self.queue.qsize() >= self.max_pending:   # (read off the loop's thread: at worst one chunk late)
+            self._put(("error", SlowReader(f"the client read its stream too slowly ({self.max_pending} chunks "
+                                           f"unread); the request was ended")))
+            self.closed = True
+            raise ConnectionError("the client stopped reading its stream")
         self._put(("chunk", text))
 
     def final(self, result: Final) -> None:

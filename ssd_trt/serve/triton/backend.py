@@ -189,10 +189,13 @@ class ModelServer:
     # -- Triton entry points -------------------------------------------------------------------
     def execute(self, requests) -> None:
         for request in requests:
+            arrived = time.perf_counter()           # time to first token counts from before tokenizing
             sender = request.get_response_sender()
             try:
                 submission = parse_request(request, self.pb, self.core, self.streaming_model)
-                self.core.submit(submission, TritonHandle(sender, self.pb))
+                # a loop that died or is stopping refuses here (ServingStopped: INTERNAL with its reason); Triton's
+                # own health endpoints cannot see the loop
+                self.core.submit(submission, TritonHandle(sender, self.pb), arrived)
             except (SsdTrtError, ValueError, TypeError, OverflowError) as exc:
                 sender.send(_error(self.pb, exc), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
