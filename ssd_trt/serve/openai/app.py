@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ssd_trt.serve.core import ServingCore
 from ssd_trt.serve.metrics import render
-from ssd_trt.serve.openai.errors import ApiError, bad_request, from_exception
+from ssd_trt.serve.openai.auth import ApiKeyAuth
+from ssd_trt.serve.openai.errors import ApiError, bad_request, count_rejection, from_exception
 from ssd_trt.serve.openai.protocol import Chunks, Parsed, error_event, new_id, parse, response
 from ssd_trt.serve.openai.stream import AbortingStream, QueueHandle
 
@@ -49,6 +50,8 @@ class ServerState:
     core: ServingCore | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     max_context: int | None = None
+    aliases: tuple[str, ...] = ()                 # further names requests may use (--served-model-name)
+    api_key: str | None = None                    # None: no key needed (auth.py)
 
     def start_loading(self) -> threading.Thread:
         def run() -> None:
@@ -89,9 +92,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="ssd-trt OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    if state.api_key:
+        app.add_middleware(ApiKeyAuth, key=state.api_key, on_reject=lambda error: count_rejection(state.core, error))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:     # noqa: ARG001
+        count_rejection(state.core, exc)
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -143,7 +149,7 @@ def create_app(state: ServerState) -> FastAPI:
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"the request body is not valid JSON ({exc})", None) from None
         try:
-            parsed = await asyncio.to_thread(parse, body, core, state.model, chat)    # tokenizes
+            parsed = await asyncio.to_thread(parse, body, core, (state.model, *state.aliases), chat)    # tokenizes
             handle = QueueHandle(asyncio.get_running_loop())
             request_id = core.submit(parsed.submission, handle, arrived)
         except Exception as exc:  # noqa: BLE001 -- every refusal is an OpenAI error object

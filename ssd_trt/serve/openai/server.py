@@ -35,6 +35,8 @@ class ServerOptions:
     warmup: bool = True
     log_level: str = "info"
     access_log: bool = True
+    aliases: tuple[str, ...] = ()          # further names requests may use (--served-model-name's others)
+    api_key: str | None = None             # None: no key needed (auth.py)
     graceful_timeout: float = 45.0         # seconds streams in flight get to finish after SIGTERM
 
     @property
@@ -75,7 +77,8 @@ def serve(options: ServerOptions, wrap_engine: Callable[[LLMEngine], LLMEngine] 
     if options.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {options.max_waiting}")
     failures: list[str] = []
-    state = ServerState(options.served_name, lambda: load_core(options, wrap_engine), log)
+    state = ServerState(options.served_name, lambda: load_core(options, wrap_engine), log, aliases=options.aliases,
+                        api_key=options.api_key)
     app = create_app(state)
     if add_routes is not None:
         add_routes(app, state)
