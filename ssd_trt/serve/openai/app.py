@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ssd_trt.serve.core import ServingCore
+from ssd_trt.serve.core import ServingCore, ServingStopped
 from ssd_trt.serve.metrics import render
 from ssd_trt.serve.openai.auth import ApiKeyAuth
 from ssd_trt.serve.openai.errors import ApiError, bad_request, count_rejection, from_exception
@@ -74,8 +74,13 @@ class ServerState:
                            "service_unavailable_error", code="loading", headers={"Retry-After": "5"})
         refusal = self.core.refusal()
         if refusal is not None:
-            raise ApiError(503, refusal, "service_unavailable_error", code="unavailable")
+            raise unavailable(refusal)
         return self.core
+
+
+def unavailable(reason: str) -> ApiError:
+    """The loop takes no request now (shutting down, or its step thread died): 503, as a full queue."""
+    return ApiError(503, reason, "service_unavailable_error", code="unavailable")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -153,7 +158,7 @@ def create_app(state: ServerState) -> FastAPI:
             handle = QueueHandle(asyncio.get_running_loop())
             request_id = core.submit(parsed.submission, handle, arrived)
         except Exception as exc:  # noqa: BLE001 -- every refusal is an OpenAI error object
-            error = from_exception(exc)
+            error = unavailable(str(exc)) if isinstance(exc, ServingStopped) else from_exception(exc)
             if error.status >= 500:             # not the request's fault: the log keeps the whole story
                 state.log(f"ssd_trt: a request could not be taken: {traceback.format_exc()}")
             raise error from None

@@ -27,6 +27,7 @@ from ssd_trt.runtime import DEFAULT_MODE, Generator, RuntimeOptions
 from ssd_trt.serve.core import Final, RequestCancelled, ServingCore, Submission, warm_up
 from ssd_trt.serve.triton.metrics import TritonMetrics
 
+UNLOAD_DRAIN_S = 30.0   # at unload, requests in flight get this long to finish before they end with an error
 OPTIONAL_INPUTS = ("temperature", "top_p", "top_k", "random_seed", "stream", "mode", "chat", "ignore_eos", "draft_len",
                    "fan_out_budget", "backup")
 
@@ -201,4 +202,6 @@ class ModelServer:
         return None
 
     def close(self) -> None:
+        """Unload: the requests in flight finish (or end with an error after ``UNLOAD_DRAIN_S``), then the loop stops."""
+        self.core.drain(UNLOAD_DRAIN_S, "the model is being unloaded")
         self.core.close()
