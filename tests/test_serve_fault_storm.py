@@ -96,6 +96,22 @@ def servers(smollm2_build, tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_a_1mb_prompt_is_tokenized_off_the_event_loop_so_the_probes_answer_meanwhile(servers):
+    storm, _ = servers
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, f"{storm.url}/v1/completions", timeout=120,
+                          json={"prompt": "hello world, naïve 数学 " * 45000, "max_tokens": 2})
+        latencies = []
+        while not big.done():
+            started = time.perf_counter()
+            httpx.get(f"{storm.url}/health", timeout=10)
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.02)
+        assert big.result().status_code == 400            # longer than the context: refused once tokenized
+    assert len(latencies) >= 3 and max(latencies) < 0.25, latencies
+
+
+@pytest.mark.slow
 def test_random_step_failures_end_every_request_and_leave_nothing_held_then_a_dead_loop_fails_health(servers):
     storm, _ = servers
     with ThreadPoolExecutor(24) as pool:
