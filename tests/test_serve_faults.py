@@ -184,3 +184,17 @@ def test_a_stream_whose_reader_stops_reading_is_ended_with_an_error_not_buffered
         return failed, items
     (at, _), items = asyncio.run(run())
     assert at == 8 and len(items) == 9 and items[-1][0] == "error" and isinstance(items[-1][1], SlowReader)
+
+
+def test_time_to_first_token_counts_from_the_requests_arrival_before_tokenizing(generator):
+    core, _ = serving(generator)
+    try:
+        ids = core.generator.encode("Arrived long ago")
+        handle = Answers()
+        arrived = time.perf_counter() - 5.0               # as if tokenizing had taken 5 s
+        core.submit(core.check(ids, ssd_trt.SamplingParams(max_new_tokens=2), "ar", False), handle, arrived)
+        assert handle.done.wait(30) and handle.result is not None
+        assert core.metrics.ttft.count == 1 and core.metrics.ttft.sum >= 5.0
+        assert core.metrics.e2e.sum >= 5.0
+    finally:
+        core.close()
