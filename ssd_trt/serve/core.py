@@ -188,12 +188,16 @@ class StepLoop:
             self.on_death(exc)
 
 
+# what serves instead of the engine step (a test's fault injector wraps it): frontends pass it through by this name
+EngineWrapper = Callable[[LLMEngine], LLMEngine]
+
+
 class ServingCore:
     """The engine step over a loaded build, with its step thread, its sender thread and its metrics."""
 
     def __init__(self, generator: Generator, max_running: int, log: Callable[[str], None] = print,
                  max_waiting: int = 1024, calibrate: bool = True, stall_after_s: float = STALL_AFTER_S,
-                 wrap_engine: Callable[[LLMEngine], LLMEngine] | None = None) -> None:
+                 wrap_engine: EngineWrapper | None = None) -> None:
         """``stall_after_s``: see :meth:`health`. ``wrap_engine``: what serves instead of the engine step (a test's
         fault injector around it)."""
         self.generator = generator

@@ -15,9 +15,8 @@ from typing import Any, Callable
 
 from ssd_trt.errors import ConfigError
 from ssd_trt.manifest import read_manifest
-from ssd_trt.batching.engine import LLMEngine
 from ssd_trt.runtime import Generator, RuntimeOptions
-from ssd_trt.serve.core import ServingCore, warm_up
+from ssd_trt.serve.core import EngineWrapper, ServingCore, warm_up
 
 DRAIN_MARGIN_S = 5.0    # uvicorn's wait beyond the drain's: time to write the last events of the streams ended
 
@@ -48,7 +47,7 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def load_core(options: ServerOptions, wrap_engine: Callable[[LLMEngine], LLMEngine] | None = None) -> ServingCore:
+def load_core(options: ServerOptions, wrap_engine: EngineWrapper | None = None) -> ServingCore:
     """The build loaded (checksums verified), warmed up, and its serving loop started: what the server waits for
     before /health answers 200. ``wrap_engine``: ``ServingCore``'s (a test's fault injector)."""
     started = time.perf_counter()
@@ -63,7 +62,7 @@ def load_core(options: ServerOptions, wrap_engine: Callable[[LLMEngine], LLMEngi
     return core
 
 
-def serve(options: ServerOptions, wrap_engine: Callable[[LLMEngine], LLMEngine] | None = None,
+def serve(options: ServerOptions, wrap_engine: EngineWrapper | None = None,
           add_routes: Callable[[Any, Any], None] | None = None) -> int:
     """Serve until SIGINT / SIGTERM; 1 if the build failed to load. ``wrap_engine`` and ``add_routes`` (called with
     the FastAPI app and its ``ServerState``) are for tests: a fault injector and the routes that drive it."""
