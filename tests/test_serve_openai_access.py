@@ -9,11 +9,11 @@ import threading
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ssd_trt.serve.openai.auth import ENV_KEY, api_key
 from ssd_trt.serve.openai.process import OpenAIServer
 from ssd_trt.serve.process import free_port
+from tests.test_serve_openai import metrics   # /metrics is open: read without a key
 
 openai = pytest.importorskip("openai")
 
@@ -45,18 +45,8 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
-def scrape(server) -> dict[tuple, float]:
-    """Every sample of /metrics (fetched without a key): (name, labels without model_name) -> value."""
-    out = {}
-    for family in text_string_to_metric_families(server.metrics()):
-        for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
-            out[(sample.name, labels)] = sample.value
-    return out
-
-
 def rejected(server, reason: str) -> float:
-    return scrape(server)[("ssd_trt:request_rejected_total", (("reason", reason),))]
+    return metrics(server)[("ssd_trt:request_rejected_total", (("reason", reason),))]
 
 
 def test_the_flag_wins_over_the_environment_and_an_empty_key_is_none(monkeypatch):
@@ -139,10 +129,10 @@ def test_kv_cache_usage_is_the_running_requests_share_of_the_cache_and_zero_when
                                        extra_body={"mode": "ar", "ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
-    during = scrape(server)[("ssd_trt:kv_cache_usage_perc", ())]
+    during = metrics(server)[("ssd_trt:kv_cache_usage_perc", ())]
     usage = [chunk.usage for chunk in chunks if chunk.usage is not None][-1]
     # one row of a dense cache: the request reserves its prompt and every token it may generate (mode ar: no
     # speculation headroom) of the one row's max context
     assert during == pytest.approx((usage.prompt_tokens + max_tokens) / context)
     assert 0 < during <= 1
-    assert scrape(server)[("ssd_trt:kv_cache_usage_perc", ())] == 0.0
+    assert metrics(server)[("ssd_trt:kv_cache_usage_perc", ())] == 0.0
