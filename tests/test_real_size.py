@@ -4,10 +4,12 @@ the in-memory one does; a bad checkpoint fails before any long work with one cle
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import onnx
@@ -20,6 +22,7 @@ from tests.helpers import LLAMA_1B_BODY, random_decoder, save_hf_checkpoint, tin
     write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
+_DISK_NEEDED = 5 << 30
 
 def _build_cli(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ssd_trt.build", str(recipe), *extra], capture_output=True,
@@ -27,10 +30,15 @@ def _build_cli(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def llama_1b(tmp_path_factory) -> dict:
+def llama_1b(tmp_path_factory) -> Iterator[dict]:
     """A 1.07B target in 3 shards (bf16, 2.1 GB) with a small random draft of its vocabulary, built in its own
     process (so the manifest's peak resident set is the build's alone): int4 target, int8 draft."""
     root = tmp_path_factory.mktemp("llama1b")
+    free = shutil.disk_usage(root).free
+    if free < _DISK_NEEDED:
+        pytest.fail(f"the 1B checkpoint test needs {_DISK_NEEDED / 2**30:.0f} GiB free under {root} (checkpoint 2.1 GB "
+                    f"+ build 1.3 GB + headroom); {free / 2**30:.1f} GiB are: free disk space or point --basetemp "
+                    f"at a larger disk", pytrace=False)
     target = write_random_checkpoint(LLAMA_1B_BODY, root / "target", shards=3, seed=0)
     draft = write_random_checkpoint(replace(LLAMA_1B_BODY, hidden_size=256, intermediate_size=512, num_layers=2,
                                             num_heads=4, num_kv_heads=2), root / "draft", seed=1)
@@ -45,8 +53,10 @@ def llama_1b(tmp_path_factory) -> dict:
     result = _build_cli(recipe)
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint_bytes = sum(p.stat().st_size for p in target.glob("*.safetensors"))
-    return {"build": root / "build", "checkpoint_bytes": checkpoint_bytes,
-            "manifest": json.loads((root / "build" / "manifest.json").read_text())}
+    yield {"build": root / "build", "checkpoint_bytes": checkpoint_bytes,
+           "manifest": json.loads((root / "build" / "manifest.json").read_text())}
+    # 3.4 GB on disk: gone once the module's tests are done, whatever the retention policy keeps
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.slow
