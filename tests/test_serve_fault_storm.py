@@ -5,7 +5,7 @@ streams. Every stream ends with a final chunk or an error event and then ``[DONE
 from __future__ import annotations
 
 import json
-import subprocess
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -142,6 +142,45 @@ def test_random_step_failures_end_every_request_and_leave_nothing_held_then_a_de
     refused = httpx.post(f"{storm.url}/v1/completions", json={"prompt": "after", "max_tokens": 2})
     assert refused.status_code == 503
     assert wait_held_nothing(storm) == dict.fromkeys(storm.held(), 0)
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_its_socket_holds_up_no_other_stream_and_ends_cleanly(servers):
+    """A real socket with a small receive window reads its response headers, then nothing, while a 1,900-token stream
+    is made for it: a stream beside it still finishes, the engine lets go of both, and when the client reads again its
+    stream ends properly (the final chunk, or the SlowReader error event once 256 chunks waited unread) and
+    ``[DONE]``. On loopback the kernel grows the server's send buffer to megabytes, so here the whole stream fits in
+    it; the SlowReader end itself is asserted in-process (``test_serve_faults.py``)."""
+    _, server = servers
+    body = json.dumps({"prompt": "Count:", "max_tokens": 1900, "stream": True, "mode": "ar", "ignore_eos": True})
+    stuck = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)      # before connect: the window stays small
+    stuck.connect((LOOPBACK, server.port))
+    stuck.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {LOOPBACK}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    head = stuck.recv(64)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    with ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(stream, server.url, "Beside:", 24, "ar")
+        assert beside.result(timeout=60) == {"ended": "final", "done": True}
+    started = time.monotonic()
+    while any(server.held().values()):              # nobody reads the stuck stream, yet the engine lets go of it
+        assert time.monotonic() - started < 120, f"a stuck reader's request still held: {server.held()}"
+        time.sleep(0.2)
+    stuck.settimeout(30)
+    received = bytearray()
+    while not (b"data: [DONE]" in received and received.endswith(b"0\r\n\r\n")):    # chunked: its last chunk
+        more = stuck.recv(1 << 16)
+        assert more, f"the connection closed without [DONE]: {bytes(received[-500:])!r}"
+        received += more
+    stuck.close()
+    events = [json.loads(line[6:]) for line in received.decode("utf-8", "replace").splitlines()
+              if line.startswith("data: {")]
+    last = events[-1]
+    if "error" in last:
+        assert "too slowly" in last["error"]["message"], last
+    else:
+        assert last["choices"][0]["finish_reason"] == "length", last
 
 
 @pytest.mark.slow

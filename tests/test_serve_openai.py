@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,6 +50,28 @@ def test_a_full_queue_is_a_503_with_retry_after_and_validation_errors_name_their
     assert crash.status == 500 and "Traceback" not in crash.message
 
 
+def test_a_chat_template_that_refuses_the_conversation_is_a_400_naming_the_message(smollm2_build):
+    """A template that enforces alternating roles (as Llama 2's and Mistral's do, with ``raise_exception``), on the
+    build's real tokenizer: the 400 names the first message at fault and carries the template's words."""
+    from transformers import AutoTokenizer
+
+    from ssd_trt.serve.openai.errors import ApiError
+    from ssd_trt.serve.openai.protocol import _chat_ids
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_build / "tokenizer")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    assert _chat_ids(tokenizer, [{"role": "user", "content": "Hi"}])
+    with pytest.raises(ApiError) as caught:
+        _chat_ids(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                              {"role": "assistant", "content": "Again"}])
+    error = caught.value
+    assert error.status == 400 and error.param == "messages"
+    assert error.message.startswith("messages[2] (role 'assistant'): the model's chat template refuses") and \
+        "roles must alternate" in error.message, error.message
+
+
 def test_the_load_bench_sweeps_modes_side_by_side_and_tables_both_frontends():
     from ssd_trt.serve.openai.load_bench import points, table
     assert points(("ar", "ssd"), (1, 4, 16), 16) == [("ar", 1, 16), ("ssd", 1, 16), ("ar", 4, 4), ("ssd", 4, 4),
@@ -77,6 +100,10 @@ class EchoCore:
         tokenizer = SimpleNamespace(chat_template="(any)", apply_chat_template=lambda messages, **_: [1, 2, 3])
         self.generator = SimpleNamespace(encode=lambda text: [1, 2, 3], tokenizer=tokenizer,
                                          limits=SimpleNamespace(max_context=64))
+        self.rejected: Counter = Counter()
+
+    def count_rejected(self, reason: str) -> None:
+        self.rejected[reason] += 1
 
     def check(self, ids, params, settings, stream):
         return Submission(ids, params, settings, stream)
@@ -139,12 +166,14 @@ def test_the_http_layer_answers_in_openais_shapes_and_refuses_a_full_queue_with_
         assert chunks[2]["choices"][0]["finish_reason"] == "length" and chunks[2]["ssd_trt"]["mode"] == "ar"
         assert chunks[3]["choices"] == [] and chunks[3]["usage"]["total_tokens"] == 5
         assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
-    with echo_app(EchoCore(full=True))[0] as http:
+    full = EchoCore(full=True)
+    with echo_app(full)[0] as http:
         while http.get("/health").status_code != 200:
             time.sleep(0.01)
         refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         assert refused.json()["error"]["code"] == "queue_full" and "retry later" in refused.json()["error"]["message"]
+    assert full.rejected == {"queue_full": 1}
 
 
 class EndlessCore(EchoCore):
@@ -407,6 +436,18 @@ BAD_REQUESTS = [   # (what, endpoint, body, the message's beginning, param)
     ("logprobs", "completions", {"prompt": "Hi", "max_tokens": 4, "logprobs": 2}, "logprobs is not supported",
      "logprobs"),
     ("an empty prompt", "completions", {"prompt": "   ", "max_tokens": 4}, "prompt is empty", "prompt"),
+    # serve/fields.py: a field nobody knows, one of the other endpoint, or one this server does not do
+    ("an unknown field", "completions", {"prompt": "Hi", "max_tokens": 4, "frobnicate": 1},
+     "'frobnicate' is not a field of /v1/completions; leave it out", "frobnicate"),
+    ("a chat field on completions", "completions", {"prompt": "Hi", "max_tokens": 4, "tools": []},
+     "'tools' is not a field of /v1/completions (a field of the other endpoint)", "tools"),
+    ("min_p", "chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "min_p": 0.1},
+     "min_p is not supported", "min_p"),
+    ("JSON output", "chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                         "response_format": {"type": "json_object"}},
+     "response_format is not supported", "response_format"),
+    ("stop_token_ids not a list", "completions", {"prompt": "Hi", "max_tokens": 4, "stop_token_ids": 7},
+     "stop_token_ids must be a list of token ids", "stop_token_ids"),
 ]
 
 
@@ -432,6 +473,18 @@ def test_bad_requests_get_400_with_the_openai_error_object_and_the_server_keeps_
                                     temperature=0, extra_body={"mode": "ar"})
     assert out.choices[0].text == references[("ar", PROMPTS[0])].text
     assert server.health() == 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_stop_token_ids_end_the_output_there_and_advisory_fields_are_taken(server, client, references, mode):
+    ref = references[("ar", PROMPTS[1])]
+    stop_at = ref.token_ids[3]
+    kept = ref.token_ids.index(stop_at) + 1             # the stop token is kept in the output, as EOS is
+    out = client.completions.create(model=server.build_dir.name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                    temperature=0, user="someone", extra_body={"mode": mode, "stop_token_ids": [stop_at]})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == kept
+    assert ref.text.startswith(out.choices[0].text) and len(out.choices[0].text) < len(ref.text)
 
 
 def wait_for(server, done, timeout: float = 60.0) -> dict:

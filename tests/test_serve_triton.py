@@ -346,6 +346,7 @@ def test_a_cancelled_stream_is_aborted_and_the_next_request_is_exact(server, ref
     assert (after["text"], after["token_ids"]) == references[("ar", EXACT_PROMPTS[0])]
 
 
+TRITON_REFUSES = ("missing input", "wrong dtype")     # checked by Triton against config.pbtxt, before the backend
 BAD_REQUESTS = [
     ("missing input", [["text_input", "BYTES", "Hello"]], "missing required input"),
     ("wrong dtype", [["text_input", "BYTES", "Hello"], ["max_tokens", "FP32", 4.0]], "expects 'INT32'"),
@@ -370,7 +371,9 @@ BAD_REQUESTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, references, protocol):
-    """Every bad request, then a good one, sent one after another by one client."""
+    """Every bad request, then a good one, sent one after another by one client; the backend's refusals are
+    counted as bad requests (what Triton refuses against the model's config never reaches the backend)."""
+    before = rejected(server, "bad_request")
     good = [["text_input", "BYTES", EXACT_PROMPTS[0]], ["max_tokens", "INT32", MAX_TOKENS], ["mode", "BYTES", "ar"],
             ["stream", "BOOL", protocol == "grpc"]]
     *answers, r = client(server, "raw", *(json.dumps(tensors) for _, tensors, _ in BAD_REQUESTS), json.dumps(good),
@@ -381,6 +384,18 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, refe
         assert "Traceback" not in answer["error"]
     assert r["error"] is None and r["token_ids"] == references[("ar", EXACT_PROMPTS[0])][1]
     assert server.ready()
+    ours = len(BAD_REQUESTS) - len(TRITON_REFUSES)
+    deadline = time.monotonic() + 10        # exported by the sender thread every 0.5 s and before final responses
+    while rejected(server, "bad_request") < before + ours and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rejected(server, "bad_request") == before + ours
+
+
+def rejected(server, reason: str) -> float:
+    """``ssd_trt:request_rejected_total`` for ``reason`` on Triton's metrics port, summed over the two models (the
+    streaming one and its ``_nonstream`` twin; 0 before the first export)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in server.metrics().splitlines()
+               if line.startswith("ssd_trt:request_rejected_total{") and f'reason="{reason}"' in line)
 
 
 def test_a_streamed_request_never_shows_the_beginning_of_its_stop_string():

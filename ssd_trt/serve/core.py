@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ssd_trt.batching.engine import LLMEngine, RequestOutput
+from ssd_trt.batching.scheduler import CapacityError
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sequence import SequenceState
 from ssd_trt.decoding.settings import ResolvedMode, Settings
@@ -261,6 +262,23 @@ class ServingCore:
         if not self.loop.alive:                        # died meanwhile: _loop_died may have missed it
             self._fail_jobs(ServingStopped(self.refusal() or "the serving loop stopped"))
         return request_id
+
+    def count_refusal(self, exc: BaseException) -> None:
+        """Count a request refused before it was queued (``request_rejected_total``): a full queue
+        (CapacityError) or a bad request (RequestError and the like). A stopping or dead loop refuses every request
+        (ServingStopped): not the request's doing, /health reports it, so it is not counted here."""
+        if isinstance(exc, CapacityError):
+            reason = "queue_full"
+        elif isinstance(exc, (RequestError, ValueError, TypeError, OverflowError)):
+            reason = "bad_request"
+        else:
+            return
+        self.count_rejected(reason)
+
+    def count_rejected(self, reason: str) -> None:
+        """One more request refused for ``reason`` (``serve/metrics.py``'s REJECTED_REASONS)."""
+        with self._lock:
+            self.metrics.rejected[reason] += 1
 
     def refusal(self) -> str | None:
         """Why no request is taken now (None: they are)."""

@@ -12,10 +12,7 @@ from pathlib import Path
 
 from ssd_trt.errors import SsdTrtError
 from ssd_trt.serve.openai.auth import ENV_KEY, api_key
-
-# 45 s: a 5 s preStop sleep, the drain, then the last writes and the engines' close fit the 60 s grace period of a pod
-# (deploy/kubernetes)
-GRACEFUL_TIMEOUT_S = 45.0
+from ssd_trt.serve.openai.server import GRACEFUL_TIMEOUT_S, ServerOptions, serve
 
 SERVER_PACKAGES = ("fastapi", "starlette", "uvicorn", "anyio", "openai")
 
@@ -58,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(f"--graceful-timeout must be >= 0 seconds, got {args.graceful_timeout}")
     names = args.served_model_name or [None]
     try:
-        from ssd_trt.serve.openai.server import ServerOptions, serve
         options = ServerOptions(args.build_dir, args.host, args.port, names[0], args.max_batch_rows,
                                 args.max_waiting, json.loads(args.runtime_options), not args.no_verify,
                                 not args.no_warmup, args.log_level, not args.no_access_log, aliases=tuple(names[1:]),

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd_trt.serve.core import ServingCore, ServingStopped
 from ssd_trt.serve.metrics import render
 from ssd_trt.serve.openai.auth import ApiKeyAuth
-from ssd_trt.serve.openai.errors import ApiError, bad_request, count_rejection, from_exception
+from ssd_trt.serve.openai.errors import ApiError, bad_request, count_rejection, from_exception, rejection_reason
 from ssd_trt.serve.openai.protocol import Chunks, Parsed, error_event, new_id, parse, response
 from ssd_trt.serve.openai.stream import AbortingStream, QueueHandle
 
@@ -159,7 +159,9 @@ def create_app(state: ServerState) -> FastAPI:
             request_id = core.submit(parsed.submission, handle, arrived)
         except Exception as exc:  # noqa: BLE001 -- every refusal is an OpenAI error object
             error = unavailable(str(exc)) if isinstance(exc, ServingStopped) else from_exception(exc)
-            if error.status >= 500:             # not the request's fault: the log keeps the whole story
+            if error.status >= 500 and rejection_reason(error) is None and not isinstance(exc, ServingStopped):
+                # the server's own failure: the log keeps the whole story (a full queue or a stopping loop is a
+                # refusal, counted in the metrics, not a traceback per request)
                 state.log(f"ssd_trt: a request could not be taken: {traceback.format_exc()}")
             raise error from None
         answer_id = new_id(chat)

@@ -9,15 +9,16 @@ before it was queued (400, 401, 404, 503 queue_full) is counted in ``ssd_trt:req
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from ssd_trt.batching.scheduler import CapacityError
 from ssd_trt.errors import RequestError, SsdTrtError
+from ssd_trt.serve.fields import NAMES
+
+if TYPE_CHECKING:
+    from ssd_trt.serve.core import ServingCore
 
 RETRY_AFTER_S = 1
-# request fields a RequestError message may start with or quote ('draft_len' applies to mode sd ...)
-FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "draft_len",
-          "fan_out_budget", "backup", "tree_widths", "mode", "messages", "prompt", "model", "n", "stream",
-          "stream_options", "ignore_eos")
 
 
 class ApiError(Exception):
@@ -43,7 +44,7 @@ def param_of(message: str) -> str | None:
         return "mode"
     if message.startswith("prompt (") and "max_tokens" in message:
         return "max_tokens"
-    for name in FIELDS:
+    for name in NAMES:        # (serve/fields.py)
         if re.match(rf"'?{name}\b", message) or f"'{name}'" in message:
             return name
     return "prompt" if message.startswith("prompt") else None
@@ -72,9 +73,9 @@ def rejection_reason(error: ApiError) -> str | None:
     return {400: "bad_request", 401: "unauthorized"}.get(error.status)
 
 
-def count_rejection(core: object | None, error: ApiError) -> None:
+def count_rejection(core: ServingCore | None, error: ApiError) -> None:
     """Count a refused request in the serving loop's metrics (``core``: None while the model loads, when /metrics
     answers 503 and nothing is counted)."""
-    reason, metrics = rejection_reason(error), getattr(core, "metrics", None)
-    if reason is not None and metrics is not None:
-        metrics.rejected[reason] += 1
+    reason = rejection_reason(error)
+    if reason is not None and core is not None:
+        core.count_rejected(reason)

@@ -41,7 +41,8 @@ def one_request(client, model: str, spec: dict[str, Any]) -> Result:
         stream = client.completions.create(
             model=model, prompt=spec["prompt"], max_tokens=spec["max_tokens"], temperature=0, stream=True,
             stream_options={"include_usage": True},
-            extra_body={"mode": spec["mode"], "ignore_eos": spec.get("ignore_eos", False)})
+            extra_body={"ignore_eos": spec.get("ignore_eos", False),
+                        **({"mode": spec["mode"]} if spec.get("mode") else {})})     # absent: the server's default
         for chunk in stream:
             for choice in chunk.choices:
                 if choice.text:

@@ -1,12 +1,13 @@
 """OpenAI request bodies into ssd_trt requests, checked once; results into OpenAI response objects.
 
-Fields taken (``/v1/completions`` and ``/v1/chat/completions``): ``model``, ``prompt`` / ``messages``, ``max_tokens``
+The fields each endpoint takes are ``serve/fields.py``'s table: ``model``, ``prompt`` / ``messages``, ``max_tokens``
 (and ``max_completion_tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or a
-list), ``n`` (1 only), ``stream``, ``stream_options.include_usage``; and as extra body fields (the Triton inputs of the
-same names): ``mode`` (ar | sd | ssd, default ssd), ``draft_len``, ``fan_out_budget``, ``backup``, ``tree_widths``,
-``top_k`` and ``ignore_eos``. What this server does not do (``logprobs``, penalties, ``logit_bias``, tools, ``n`` > 1,
-``echo``, ``suffix``, ``best_of`` > 1, JSON output) is refused with a 400 naming the field rather than silently
-ignored; unknown fields are ignored, as OpenAI's own clients send some.
+list), ``stop_token_ids``, ``n`` (1 only), ``stream``, ``stream_options.include_usage``; as extra body fields (the Triton
+inputs of the same names): ``mode`` (ar | sd | ssd, default ssd), ``draft_len``, ``fan_out_budget``, ``backup``,
+``tree_widths``, ``top_k`` and ``ignore_eos``; OpenAI's advisory fields (``user``, ``metadata``, ...) are taken and
+ignored. A field this server does not do (``logprobs``, penalties, ``min_p``, ``logit_bias``, tools, ``n`` > 1,
+``echo``, ``suffix``, ``best_of`` > 1, JSON output) and any field it does not know are refused with a 400 naming the
+field, never ignored.
 """
 from __future__ import annotations
 
@@ -21,14 +22,11 @@ from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.settings import DEFAULT_MODE, Settings, parse_mode
 from ssd_trt.requests import encode_chat
 from ssd_trt.serve.core import Final, ServingCore, Submission
+from ssd_trt.serve.fields import BY_NAME, CHAT, COMPLETIONS, UNSUPPORTED, endpoint_fields, is_neutral
 from ssd_trt.serve.openai.errors import ApiError, bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 ROLES = ("system", "developer", "user", "assistant")
-# fields whose only supported value is their default (None: absent)
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "frequency_penalty": (None, 0),
-               "presence_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-               "tool_choice": (None, "none"), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 DONE = "data: [DONE]\n\n"                 # the event that ends every stream
 
@@ -91,19 +89,32 @@ def check_model(body: dict, names: tuple[str, ...]) -> None:
                        param="model", code="model_not_found")
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """Every field of the body must be one the endpoint takes, and a field this server does not do must ask for
+    nothing (``serve/fields.py``)."""
+    taken = {f.name: f for f in endpoint_fields(CHAT if chat else COMPLETIONS)}
+    for name, value in body.items():
+        field = taken.get(name)
+        if field is None:
+            route = "/v1/chat/completions" if chat else "/v1/completions"
+            other = " (a field of the other endpoint)" if name in BY_NAME else ""
+            raise bad_request(f"{name!r} is not a field of {route}{other}; leave it out (the fields taken: "
+                              f"{', '.join(sorted(taken))})", name)
+        if field.feeds == UNSUPPORTED and not is_neutral(field, value):
+            raise bad_request(f"{name} is not supported by this server (got {value!r}); leave it out", name)
     n = body.get("n")
     if n is not None and n != 1:
         raise bad_request(f"n must be 1 (this server returns one choice per request), got {n!r}; send n requests "
                           f"instead", "n")
-    for name, defaults in UNSUPPORTED.items():
-        value = body.get(name)
-        if not any(value is None if default is None else value == default for default in defaults):
-            raise bad_request(f"{name} is not supported by this server (got {value!r}); leave it out", name)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise bad_request(f"response_format {response_format!r} is not supported; only plain text is",
-                          "response_format")
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise bad_request(f"stop_token_ids must be a list of token ids (integers), got {ids!r}", "stop_token_ids")
+    return tuple(ids)
 
 
 def _settings(body: dict) -> Settings:
@@ -164,6 +175,29 @@ def _messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
+def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation through the model's chat template. A template that refuses it (``raise_exception`` in the
+    template, e.g. roles that do not alternate) is the request's fault: a 400 naming the first message at fault (the
+    first whose conversation up to it the template refuses) and the template's own words."""
+    from jinja2.exceptions import TemplateError
+    try:
+        return encode_chat(tokenizer, messages, "use /v1/completions with a plain prompt")
+    except TemplateError as exc:
+        at = next((i for i in range(len(messages)) if _refused(tokenizer, messages[:i + 1])), None)
+        where = "messages" if at is None else f"messages[{at}] (role {messages[at]['role']!r})"
+        raise bad_request(f"{where}: the model's chat template refuses this conversation: {exc}", "messages") \
+            from None
+
+
+def _refused(tokenizer, messages: list[dict[str, str]]) -> bool:
+    from jinja2.exceptions import TemplateError
+    try:
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    except TemplateError:
+        return True
+    return False
+
+
 def _prompt_ids(body: dict, core: ServingCore) -> list[int]:
     """``prompt``: a string, a list of one string, or token ids."""
     prompt = body.get("prompt")
@@ -185,7 +219,7 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None)
     check_model(body, names)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat)
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
@@ -198,13 +232,13 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     settings = _settings(body)
-    ids = encode_chat(core.generator.tokenizer, _messages(body), "use /v1/completions with a plain prompt") if chat \
-        else _prompt_ids(body, core)
+    ids = _chat_ids(core.generator.tokenizer, _messages(body)) if chat else _prompt_ids(body, core)
     top_k = _integer(body, "top_k")
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
     params = SamplingParams(max_new_tokens=1, temperature=1.0 if temperature is None else temperature,
                             top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
-                            seed=_integer(body, "seed"), stop_on_eos=not _flag(body, "ignore_eos"), stop=_stop(body))
+                            seed=_integer(body, "seed"), stop_on_eos=not _flag(body, "ignore_eos"), stop=_stop(body),
+                            stop_token_ids=_stop_token_ids(body))
     if max_tokens is None:
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if not chat else default_max_tokens(core, ids, params, settings)
     return Parsed(core.check(ids, replace(params, max_new_tokens=max_tokens), settings, stream), include_usage, chat)

@@ -18,6 +18,9 @@ from ssd_trt.manifest import read_manifest
 from ssd_trt.runtime import Generator, RuntimeOptions
 from ssd_trt.serve.core import EngineWrapper, ServingCore, warm_up
 
+# 45 s: a 5 s preStop sleep, the drain, then the last writes and the engines' close fit the 60 s grace period of a pod
+# (deploy/kubernetes)
+GRACEFUL_TIMEOUT_S = 45.0
 DRAIN_MARGIN_S = 5.0    # uvicorn's wait beyond the drain's: time to write the last events of the streams ended
 
 
@@ -36,7 +39,7 @@ class ServerOptions:
     access_log: bool = True
     aliases: tuple[str, ...] = ()          # further names requests may use (--served-model-name's others)
     api_key: str | None = None             # None: no key needed (auth.py)
-    graceful_timeout: float = 45.0         # seconds streams in flight get to finish after SIGTERM
+    graceful_timeout: float = GRACEFUL_TIMEOUT_S   # seconds streams in flight get to finish after SIGTERM
 
     @property
     def served_name(self) -> str:

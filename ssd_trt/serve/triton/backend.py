@@ -20,16 +20,18 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ssd_trt.batching.scheduler import CapacityError
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.settings import Settings, parse_mode
 from ssd_trt.errors import RequestError, SsdTrtError
 from ssd_trt.runtime import DEFAULT_MODE, Generator, RuntimeOptions
 from ssd_trt.serve.core import Final, RequestCancelled, ServingCore, Submission, warm_up
+from ssd_trt.serve.fields import TRITON_INPUTS
 from ssd_trt.serve.triton.metrics import TritonMetrics
 
 UNLOAD_DRAIN_S = 30.0   # at unload, requests in flight get this long to finish before they end with an error
-OPTIONAL_INPUTS = ("temperature", "top_p", "top_k", "random_seed", "stream", "mode", "chat", "ignore_eos", "draft_len",
-                   "fan_out_budget", "backup")
+# the optional one-value inputs (serve/fields.py); stop_words and tree_widths are lists, read on their own
+OPTIONAL_INPUTS = tuple(f.triton for f in TRITON_INPUTS if not f.required and f.dims == "[ 1 ]")
 
 
 def _one_value(request, pb_utils, name: str, required: bool = False):
@@ -104,8 +106,9 @@ def parse_request(request, pb_utils, core: ServingCore, streaming_model: bool) -
 
 
 def _error(pb_utils, exc: BaseException):
-    """An error response: INVALID_ARG for bad requests, CANCELLED for a cancelled one, INTERNAL otherwise."""
-    code = "CANCELLED" if isinstance(exc, RequestCancelled) else \
+    """An error response: UNAVAILABLE for a full queue (retry later), INVALID_ARG for bad requests, CANCELLED for a
+    cancelled one, INTERNAL otherwise."""
+    code = "CANCELLED" if isinstance(exc, RequestCancelled) else "UNAVAILABLE" if isinstance(exc, CapacityError) else \
         "INVALID_ARG" if isinstance(exc, (RequestError, ValueError)) else "INTERNAL"
     message = str(exc) if isinstance(exc, SsdTrtError) else f"{type(exc).__name__}: {exc}"
     value = getattr(pb_utils.TritonError, code, None)
@@ -198,6 +201,7 @@ class ModelServer:
                 # own health endpoints cannot see the loop
                 self.core.submit(submission, TritonHandle(sender, self.pb), arrived)
             except (SsdTrtError, ValueError, TypeError, OverflowError) as exc:
+                self.core.count_refusal(exc)       # (what Triton itself refuses never reaches here: not counted)
                 sender.send(_error(self.pb, exc), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 

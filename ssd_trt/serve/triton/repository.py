@@ -21,25 +21,12 @@ import ssd_trt
 from ssd_trt.errors import ArtifactError, SsdTrtError
 from ssd_trt.manifest import read_manifest
 from ssd_trt.runtime import RuntimeOptions
+from ssd_trt.serve.fields import TRITON_INPUTS
 from ssd_trt.serve.triton import NONSTREAM_SUFFIX, STREAM_MODEL
 from ssd_trt.serve.triton.model_template import MODEL_PY
 
-# (name, Triton type, dims, optional)
-INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False),
-          ("max_tokens", "TYPE_INT32", "[ 1 ]", False),
-          ("temperature", "TYPE_FP32", "[ 1 ]", True),
-          ("top_p", "TYPE_FP32", "[ 1 ]", True),
-          ("top_k", "TYPE_INT32", "[ 1 ]", True),
-          ("random_seed", "TYPE_UINT64", "[ 1 ]", True),
-          ("stream", "TYPE_BOOL", "[ 1 ]", True),
-          ("mode", "TYPE_STRING", "[ 1 ]", True),
-          ("chat", "TYPE_BOOL", "[ 1 ]", True),
-          ("ignore_eos", "TYPE_BOOL", "[ 1 ]", True),
-          ("stop_words", "TYPE_STRING", "[ -1 ]", True),
-          ("draft_len", "TYPE_INT32", "[ 1 ]", True),
-          ("fan_out_budget", "TYPE_INT32", "[ 1 ]", True),
-          ("backup", "TYPE_STRING", "[ 1 ]", True),
-          ("tree_widths", "TYPE_INT32", "[ -1 ]", True))
+# (name, Triton type, dims, optional): the Triton columns of serve/fields.py's table
+INPUTS = tuple((f.triton, f.wire, f.dims, not f.required) for f in TRITON_INPUTS)
 OUTPUTS = (("text_output", "TYPE_STRING", "[ -1 ]"),
            ("output_ids", "TYPE_INT32", "[ -1 ]"),
            ("generated_tokens", "TYPE_INT32", "[ 1 ]"),
