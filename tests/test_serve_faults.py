@@ -167,23 +167,29 @@ def test_drain_lets_short_requests_finish_and_ends_long_ones_with_an_error(gener
 
 
 def test_a_stream_whose_reader_stops_reading_is_ended_with_an_error_not_buffered_forever():
-    from ssd_trt.serve.openai.stream import QueueHandle, SlowReader
+    from ssd_trt.serve.openai.stream import Answers, SlowReader
 
-    async def run() -> tuple[int, tuple]:
-        handle = QueueHandle(asyncio.get_running_loop(), max_pending=8)
+    async def run(choices: int) -> tuple[int, list]:
+        answers = Answers(asyncio.get_running_loop(), choices, max_pending=8)
+        handles = [answers.handle(i) for i in range(choices)]
         failed = None
-        for i in range(20):
+        for i in range(40):
             try:
-                handle.chunk("x", [i])
-            except ConnectionError as exc:
-                failed = i, exc
+                handles[i % choices].chunk("x", [i])
+            except ConnectionError:
+                failed = i
                 break
             await asyncio.sleep(0)
         await asyncio.sleep(0)
-        items = [handle.queue.get_nowait() for _ in range(handle.queue.qsize())]
+        items = [answers.queue.get_nowait() for _ in range(answers.queue.qsize())]
+        with pytest.raises(ConnectionError):          # the request's other choices are ended too
+            handles[0].final(None)
         return failed, items
-    (at, _), items = asyncio.run(run())
-    assert at == 8 and len(items) == 9 and items[-1][0] == "error" and isinstance(items[-1][1], SlowReader)
+    for choices in (1, 2):                          # the bound is per choice: 8 chunks each
+        at, items = asyncio.run(run(choices))
+        assert at == 8 * choices and len(items) == 8 * choices + 1
+        kind, index, error = items[-1]
+        assert kind == "error" and index == at % choices and isinstance(error, SlowReader)
 
 
 def test_time_to_first_token_counts_from_the_requests_arrival_before_tokenizing(generator):

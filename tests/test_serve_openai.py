@@ -166,6 +166,21 @@ def test_the_http_layer_answers_in_openais_shapes_and_refuses_a_full_queue_with_
         assert chunks[2]["choices"][0]["finish_reason"] == "length" and chunks[2]["ssd_trt"]["mode"] == "ar"
         assert chunks[3]["choices"] == [] and chunks[3]["usage"]["total_tokens"] == 5
         assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+        # several prompts and n: one choice each, indexed prompt by prompt, each prompt's tokens counted once
+        several = http.post("/v1/completions", json={"prompt": ["Hi", [5, 6, 7]], "n": 2, "max_tokens": 2}).json()
+        assert [(c["index"], c["text"]) for c in several["choices"]] == [(i, "Hello") for i in range(4)]
+        assert several["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}
+        assert len(several["ssd_trt"]) == 4
+        events = [line for line in http.post("/v1/chat/completions", json={**body, "n": 2}).text.split("\n\n")
+                  if line]
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert events[-1] == "data: [DONE]" and chunks[-1]["usage"]["total_tokens"] == 3 + 2 * 2
+        for index in (0, 1):
+            mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+            assert [m["delta"] for m in mine[:2]] == [{"role": "assistant", "content": "Hel"}, {"content": "lo"}]
+            assert mine[-1]["finish_reason"] == "length" and len(mine) == 3
+        bad = http.post("/v1/completions", json={"prompt": [], "max_tokens": 2})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
     full = EchoCore(full=True)
     with echo_app(full)[0] as http:
         while http.get("/health").status_code != 200:
@@ -406,6 +421,46 @@ def test_a_seeded_sampled_request_repeats_and_equals_generate(server, client, re
     assert again[0] == again[1]
 
 
+@pytest.mark.slow
+def test_several_prompts_and_n_are_rows_of_the_batch_each_exact_and_each_with_its_own_seed(server, client,
+                                                                                         references):
+    model = server.build_dir.name
+    out = client.completions.create(model=model, prompt=PROMPTS[:3], max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"mode": "ssd"})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [references[("ar", p)].text for p in PROMPTS[:3]]
+    assert out.usage.completion_tokens == sum(len(references[("ar", p)].token_ids) for p in PROMPTS[:3])
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model=model, prompt=PROMPTS[:2], n=2, max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True, extra_body={"mode": "sd"}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    first, second = (references[("ar", p)].text for p in PROMPTS[:2])
+    assert [texts[i] for i in range(4)] == [first, first, second, second]
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": CHAT}], n=2,
+                                          max_tokens=MAX_TOKENS, temperature=0, extra_body={"mode": "ssd"})
+    assert [c.message.content for c in chat.choices] == [references["chat"].text] * 2
+    # sampled: choice i draws as a request seeded seed + i, whatever shares its batch
+    many = client.completions.create(model=model, prompt=PROMPTS[0], n=3, max_tokens=MAX_TOKENS,
+                                     extra_body={"mode": "ar"}, **SAMPLED)
+    alone = [client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, extra_body={"mode": "ar"},
+                                       **{**SAMPLED, "seed": SAMPLED["seed"] + i}).choices[0].text for i in range(3)]
+    assert [c.text for c in many.choices] == alone and alone[0] == references["sampled"].text
+    assert len(set(alone)) > 1, "three seeds drew the same 16 tokens"
+
+
+@pytest.mark.slow
+def test_langchains_openai_batch_and_chat_model_get_the_greedy_answers(server, references):
+    """LangChain's own clients, as users call them: ``OpenAI.batch`` sends its 4 prompts as one request's prompt
+    list; ``ChatOpenAI`` sends its own fields (each one this server must know)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    common = dict(base_url=server.url + "/v1", api_key="unused", model=server.build_dir.name, temperature=0,
+                  max_tokens=MAX_TOKENS, max_retries=0)
+    texts = langchain_openai.OpenAI(**common).batch(PROMPTS)
+    assert texts == [references[("ar", p)].text for p in PROMPTS]
+    assert langchain_openai.ChatOpenAI(**common).invoke(CHAT).content == references["chat"].text
+
+
 BAD_REQUESTS = [   # (what, endpoint, body, the message's beginning, param)
     ("temperature below 0", "completions", {"prompt": "Hi", "max_tokens": 4, "temperature": -0.5},
      "temperature must be a finite number >= 0", "temperature"),
@@ -415,7 +470,9 @@ BAD_REQUESTS = [   # (what, endpoint, body, the message's beginning, param)
     ("max_tokens past the context", "chat/completions",
      {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000}, "exceeds the engine's max context",
      "max_tokens"),
-    ("n of 2", "completions", {"prompt": "Hi", "max_tokens": 4, "n": 2}, "n must be 1", "n"),
+    ("n of 0", "completions", {"prompt": "Hi", "max_tokens": 4, "n": 0}, "n must be >= 1", "n"),
+    ("a prompt list holding a number", "completions", {"prompt": ["Hi", 5], "max_tokens": 4},
+     "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt"),
     ("unknown mode", "completions", {"prompt": "Hi", "max_tokens": 4, "mode": "beam"}, "unknown mode 'beam'", "mode"),
     ("draft_len 0", "completions", {"prompt": "Hi", "max_tokens": 4, "mode": "sd", "draft_len": 0},
      "draft_len (K) must be an integer in 1..", "draft_len"),

@@ -9,11 +9,12 @@
 
 The server listens at once and loads the build on a thread (``ServerState.load``), so an orchestrator can tell
 "loading" (503 on /health) from "dead" (no answer). Each request is checked completely before it is queued (a 400 with
-the OpenAI error object otherwise) and then handed to the serving loop with a :class:`~.stream.QueueHandle`; a
-streamed one is answered as server-sent events, a plain one when it finishes. A client that goes away has its
-request aborted: while streaming the response notices at once (``AbortingStream``); while waiting for a plain answer
-the route asks every ``DISCONNECT_POLL_S``. Tokenizing and the chat template run on a worker thread: a long prompt
-never holds up the event loop (other streams' chunks, the probes).
+the OpenAI error object otherwise) and then handed to the serving loop as one request per choice (several prompts, or
+``n`` > 1), their answers gathered by a :class:`~.stream.Answers`; a streamed one is answered as server-sent events,
+a plain one when every choice finished. A client that goes away has its request aborted: while streaming the response
+notices at once (``AbortingStream``); while waiting for a plain answer the route asks every ``DISCONNECT_POLL_S``.
+Tokenizing and the chat template run on a worker thread: a long prompt never holds up the event loop (other streams'
+chunks, the probes).
 """
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ssd_trt.serve.core import ServingCore, ServingStopped
+from ssd_trt.serve.core import Final, ServingCore, ServingStopped
 from ssd_trt.serve.metrics import render
 from ssd_trt.serve.openai.auth import ApiKeyAuth
 from ssd_trt.serve.openai.errors import ApiError, bad_request, count_rejection, from_exception, rejection_reason
 from ssd_trt.serve.openai.protocol import Chunks, Parsed, error_event, new_id, parse, response
-from ssd_trt.serve.openai.stream import AbortingStream, QueueHandle
+from ssd_trt.serve.openai.stream import AbortingStream, Answers
 
 DISCONNECT_POLL_S = 0.25
 
@@ -155,8 +156,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request(f"the request body is not valid JSON ({exc})", None) from None
         try:
             parsed = await asyncio.to_thread(parse, body, core, (state.model, *state.aliases), chat)    # tokenizes
-            handle = QueueHandle(asyncio.get_running_loop())
-            request_id = core.submit(parsed.submission, handle, arrived)
+            answers = Answers(asyncio.get_running_loop(), len(parsed.submissions))
+            request_ids = submit_all(core, parsed, answers, arrived)
         except Exception as exc:  # noqa: BLE001 -- every refusal is an OpenAI error object
             error = unavailable(str(exc)) if isinstance(exc, ServingStopped) else from_exception(exc)
             if error.status >= 500 and rejection_reason(error) is None and not isinstance(exc, ServingStopped):
@@ -167,27 +168,33 @@ def create_app(state: ServerState) -> FastAPI:
         answer_id = new_id(chat)
 
         def abort() -> None:
-            handle.closed = True
-            core.abort(request_id)
-        if parsed.submission.stream:
-            return AbortingStream(events(handle, Chunks(parsed, answer_id, state.model)), abort)
-        return await whole(request, handle, parsed, answer_id, abort)
+            answers.closed = True
+            for request_id in request_ids:
+                core.abort(request_id)
+        if parsed.stream:
+            return AbortingStream(events(answers, Chunks(parsed, answer_id, state.model), abort), abort)
+        return await whole(request, answers, parsed, answer_id, abort)
 
-    async def whole(request: Request, handle: QueueHandle, parsed: Parsed, answer_id: str,
+    async def whole(request: Request, answers: Answers, parsed: Parsed, answer_id: str,
                     abort: Callable[[], None]) -> Response:
-        """A plain request's answer, once it finished; aborted if its client goes away meanwhile, or if the server
-        gives up on it (its task is cancelled at shutdown)."""
+        """A plain request's answer, once every choice finished; aborted if its client goes away meanwhile, if one
+        of its choices fails, or if the server gives up on it (its task is cancelled at shutdown)."""
         clock = asyncio.get_running_loop().time
         asked = clock()
+        finals: dict[int, Final] = {}
         try:
             while True:
                 try:
-                    kind, payload = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
+                    kind, index, payload = await asyncio.wait_for(answers.queue.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    kind, payload = "waiting", None
+                    kind, index, payload = "waiting", None, None
                 if kind == "final":
-                    return JSONResponse(response(parsed, answer_id, state.model, payload))
+                    finals[index] = payload
+                    if len(finals) == answers.choices:
+                        return JSONResponse(response(parsed, answer_id, state.model,
+                                                     [finals[i] for i in range(answers.choices)]))
                 if kind == "error":
+                    abort()                                     # (the other choices: nobody will read them)
                     return error_response(from_exception(payload))
                 if clock() - asked >= DISCONNECT_POLL_S:
                     asked = clock()
@@ -201,17 +208,36 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def events(handle: QueueHandle, chunks: Chunks) -> AsyncIterator[str]:
-    """A streamed request's events, from its first chunk to ``data: [DONE]``."""
-    while True:
-        kind, payload = await handle.queue.get()
+def submit_all(core: ServingCore, parsed: Parsed, answers: Answers, arrived: float) -> list[str]:
+    """Every choice to the serving loop; if one is refused (e.g. the queue filled up), those already queued are
+    aborted and the refusal is the request's."""
+    request_ids: list[str] = []
+    try:
+        for index, submission in enumerate(parsed.submissions):
+            request_ids.append(core.submit(submission, answers.handle(index), arrived))
+    except BaseException:
+        answers.closed = True
+        for request_id in request_ids:
+            core.abort(request_id)
+        raise
+    return request_ids
+
+
+async def events(answers: Answers, chunks: Chunks, abort: Callable[[], None]) -> AsyncIterator[str]:
+    """A streamed request's events, from its first chunk to ``data: [DONE]``; choices interleave as their chunks
+    come. An error in one choice ends the stream (the others are aborted)."""
+    finals: dict[int, Final] = {}
+    while len(finals) < answers.choices:
+        kind, index, payload = await answers.queue.get()
         if kind == "chunk":
-            text = chunks.text(payload)
+            text = chunks.text(index, payload)
             if text:
                 yield text
         elif kind == "final":
-            yield chunks.final(payload)
-            return
+            finals[index] = payload
+            yield chunks.final(index, payload)
         else:
+            abort()
             yield error_event(from_exception(payload))
             return
+    yield chunks.end([finals[i] for i in range(answers.choices)])

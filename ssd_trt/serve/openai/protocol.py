@@ -1,13 +1,14 @@
 """OpenAI request bodies into ssd_trt requests, checked once; results into OpenAI response objects.
 
-The fields each endpoint takes are ``serve/fields.py``'s table: ``model``, ``prompt`` / ``messages``, ``max_tokens``
-(and ``max_completion_tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or a
-list), ``stop_token_ids``, ``n`` (1 only), ``stream``, ``stream_options.include_usage``; as extra body fields (the Triton
-inputs of the same names): ``mode`` (ar | sd | ssd, default ssd), ``draft_len``, ``fan_out_budget``, ``backup``,
-``tree_widths``, ``top_k`` and ``ignore_eos``; OpenAI's advisory fields (``user``, ``metadata``, ...) are taken and
-ignored. A field this server does not do (``logprobs``, penalties, ``min_p``, ``logit_bias``, tools, ``n`` > 1,
-``echo``, ``suffix``, ``best_of`` > 1, JSON output) and any field it does not know are refused with a 400 naming the
-field, never ignored.
+The fields each endpoint takes are ``serve/fields.py``'s table: ``model``, ``prompt`` (a string, token ids, or a list
+of several) / ``messages``, ``max_tokens`` (and ``max_completion_tokens``), ``temperature`` (default 1, as OpenAI's),
+``top_p``, ``seed``, ``stop`` (a string or a list), ``stop_token_ids``, ``n``, ``stream``,
+``stream_options.include_usage``; as extra body fields (the Triton inputs of the same names): ``mode`` (ar | sd | ssd,
+default ssd), ``draft_len``, ``fan_out_budget``, ``backup``, ``tree_widths``, ``top_k`` and ``ignore_eos``; OpenAI's
+advisory fields (``user``, ``metadata``, ...) are taken and ignored. A field this server does not do (``logprobs``,
+penalties, ``min_p``, ``logit_bias``, tools, ``echo``, ``suffix``, ``best_of`` > 1, JSON output) and any field it does
+not know are refused with a 400 naming the field, never ignored. Several prompts and ``n`` > 1 become one
+submission per choice (:class:`Parsed`).
 """
 from __future__ import annotations
 
@@ -33,8 +34,11 @@ DONE = "data: [DONE]\n\n"                 # the event that ends every stream
 
 @dataclass(frozen=True)
 class Parsed:
-    """A checked request and how to answer it."""
-    submission: Submission
+    """A checked request and how to answer it: one submission per choice. The ``n`` choices of prompt ``p`` have the
+    indices ``p * n`` .. ``p * n + n - 1``, as OpenAI numbers them; each runs as its own row of the batch."""
+    submissions: tuple[Submission, ...]
+    n: int
+    stream: bool
     include_usage: bool
     chat: bool
 
@@ -102,10 +106,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
                               f"{', '.join(sorted(taken))})", name)
         if field.feeds == UNSUPPORTED and not is_neutral(field, value):
             raise bad_request(f"{name} is not supported by this server (got {value!r}); leave it out", name)
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad_request(f"n must be 1 (this server returns one choice per request), got {n!r}; send n requests "
-                          f"instead", "n")
 
 
 def _stop_token_ids(body: dict) -> tuple[int, ...]:
@@ -198,19 +198,26 @@ def _refused(tokenizer, messages: list[dict[str, str]]) -> bool:
     return False
 
 
-def _prompt_ids(body: dict, core: ServingCore) -> list[int]:
-    """``prompt``: a string, a list of one string, or token ids."""
+def _prompts(body: dict, core: ServingCore) -> list[list[int]]:
+    """``prompt``: a string, token ids, or a list of several of either (each its own choices)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)                    # token ids: checked against the vocabulary by the runtime
-    if isinstance(prompt, list):
-        raise bad_request("prompt must be one string (or one list of token ids); send one prompt per request",
-                          "prompt")
-    if not isinstance(prompt, str):
-        raise bad_request(f"prompt must be a string, got {prompt!r}", "prompt")
-    return core.generator.encode(prompt)
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        raise bad_request(f"prompt must be a string, a list of token ids, or a non-empty list of either; got "
+                          f"{_short(prompt)}", "prompt")
+    # token ids are checked against the vocabulary by the runtime
+    return [list(p) if isinstance(p, list) else core.generator.encode(p) for p in prompt]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> Parsed:
@@ -232,16 +239,27 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     settings = _settings(body)
-    ids = _chat_ids(core.generator.tokenizer, _messages(body)) if chat else _prompt_ids(body, core)
+    prompts = [_chat_ids(core.generator.tokenizer, _messages(body))] if chat else _prompts(body, core)
+    n = _integer(body, "n")
+    if n is not None and n < 1:
+        raise bad_request(f"n must be >= 1 (choices per prompt), got {n}", "n")
+    n = n or 1
     top_k = _integer(body, "top_k")
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
     params = SamplingParams(max_new_tokens=1, temperature=1.0 if temperature is None else temperature,
                             top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
                             seed=_integer(body, "seed"), stop_on_eos=not _flag(body, "ignore_eos"), stop=_stop(body),
                             stop_token_ids=_stop_token_ids(body))
-    if max_tokens is None:
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if not chat else default_max_tokens(core, ids, params, settings)
-    return Parsed(core.check(ids, replace(params, max_new_tokens=max_tokens), settings, stream), include_usage, chat)
+    submissions = []
+    for ids in prompts:
+        tokens = max_tokens if max_tokens is not None else \
+            COMPLETION_DEFAULT_MAX_TOKENS if not chat else default_max_tokens(core, ids, params, settings)
+        checked = core.check(ids, replace(params, max_new_tokens=tokens), settings, stream)
+        for _ in range(n):
+            # each choice its own seed stream: choice i of a seeded request draws as a request seeded seed + i
+            seed = None if params.seed is None else params.seed + len(submissions)
+            submissions.append(replace(checked, params=replace(checked.params, seed=seed)))
+    return Parsed(tuple(submissions), n, stream, include_usage, chat)
 
 
 def default_max_tokens(core: ServingCore, ids: list[int], params: SamplingParams, settings: Settings) -> int:
@@ -256,9 +274,11 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(final: Final) -> dict[str, int]:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+def usage(finals: list[Final], n: int) -> dict[str, int]:
+    """Tokens of the whole request: each prompt counted once (its ``n`` choices share it), every choice's completion."""
+    prompt = sum(f.prompt_tokens for i, f in enumerate(finals) if i % n == 0)
+    completion = sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def spec_stats(final: Final) -> dict[str, Any]:
@@ -268,26 +288,28 @@ def spec_stats(final: Final) -> dict[str, Any]:
     return {key: finite(value) for key, value in final.stats.items()}
 
 
-def response(parsed: Parsed, request_id: str, model: str, final: Final) -> dict[str, Any]:
-    """The whole answer of a request that did not stream."""
-    reason = FINISH_REASON[final.finish_reason]
-    choice = {"index": 0, "message": {"role": "assistant", "content": final.text}} if parsed.chat else \
-        {"index": 0, "text": final.text}
+def response(parsed: Parsed, request_id: str, model: str, finals: list[Final]) -> dict[str, Any]:
+    """The whole answer of a request that did not stream (``finals``: its choices' results, by index)."""
+    choices = []
+    for index, final in enumerate(finals):
+        body = {"message": {"role": "assistant", "content": final.text}} if parsed.chat else {"text": final.text}
+        choices.append({"index": index, **body, "logprobs": None, "finish_reason": FINISH_REASON[final.finish_reason]})
+    stats = [spec_stats(final) for final in finals]
     return {"id": request_id, "object": "chat.completion" if parsed.chat else "text_completion",
-            "created": int(time.time()), "model": model,
-            "choices": [{**choice, "logprobs": None, "finish_reason": reason}],
-            "usage": usage(final), "ssd_trt": spec_stats(final)}
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage(finals, parsed.n),
+            # the request's speculation numbers; a list, by choice index, when it has several choices
+            "ssd_trt": stats[0] if len(stats) == 1 else stats}
 
 
 class Chunks:
-    """A streamed request's server-sent events: ``data: {chunk}`` per piece of text, the finish reason and the
-    request's statistics in the last chunk, the usage in one more chunk when ``stream_options.include_usage``, then
+    """A streamed request's server-sent events: ``data: {chunk}`` per piece of a choice's text, each choice's finish
+    reason and statistics in its last chunk, the usage in one more chunk when ``stream_options.include_usage``, then
     ``data: [DONE]``."""
 
     def __init__(self, parsed: Parsed, request_id: str, model: str) -> None:
         self.parsed, self.id, self.model = parsed, request_id, model
         self.created = int(time.time())
-        self.started = False
+        self.started: set[int] = set()          # choices whose first delta was sent (a chat's names the role)
 
     def _chunk(self, choices: list[dict], **extra: Any) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
@@ -296,22 +318,25 @@ class Chunks:
             body["usage"] = None
         return event(body)
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict:
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict:
         if not self.parsed.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        delta = {"content": text} if text or not self.started else {}
-        if not self.started:                    # the first delta names the role
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        delta = {"content": text} if text or index not in self.started else {}
+        if index not in self.started:
             delta = {"role": "assistant", **delta}
-        self.started = True
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        self.started.add(index)
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def text(self, text: str) -> str:
-        return self._chunk([self._choice(text, None)]) if text else ""
+    def text(self, index: int, text: str) -> str:
+        return self._chunk([self._choice(index, text, None)]) if text else ""
 
-    def final(self, final: Final) -> str:
-        out = self._chunk([self._choice(final.text, FINISH_REASON[final.finish_reason])], ssd_trt=spec_stats(final))
-        if self.parsed.include_usage:
-            out += self._chunk([], usage=usage(final))
+    def final(self, index: int, final: Final) -> str:
+        return self._chunk([self._choice(index, final.text, FINISH_REASON[final.finish_reason])],
+                           ssd_trt=spec_stats(final))
+
+    def end(self, finals: list[Final]) -> str:
+        """After every choice's final chunk: the usage chunk (when asked for), then ``[DONE]``."""
+        out = self._chunk([], usage=usage(finals, self.parsed.n)) if self.parsed.include_usage else ""
         return out + DONE
 
 

@@ -1,9 +1,11 @@
 """Between the serving loop's sender thread and the HTTP server's event loop, for one request.
 
-:class:`QueueHandle` is the request's ``serve.core.Handle``: the sender thread's chunks, final result or error become
-items of an ``asyncio.Queue`` on the event loop (``call_soon_threadsafe``: the only thread-safe way in). The HTTP
-side awaits them. The queue is bounded (``MAX_PENDING_CHUNKS``): a client that stops reading its stream has it ended
-(see :class:`SlowReader` for why not backpressure).
+:class:`Answers` gathers a request's answers, from each of its choices (several prompts, or ``n`` > 1, are several
+requests to the serving loop): :class:`ChoiceHandle` is one choice's ``serve.core.Handle``, whose chunks, final result
+or error become ``(kind, choice index, payload)`` items of one ``asyncio.Queue`` on the event loop
+(``call_soon_threadsafe``: the only thread-safe way in). The HTTP side awaits them. The queue is bounded
+(``MAX_PENDING_CHUNKS`` per choice): a client that stops reading its stream has it ended (see :class:`SlowReader` for
+why not backpressure).
 
 :class:`AbortingStream` sends server-sent events and listens for the client going away at the same time, whatever
 ASGI version the server speaks (Starlette's own streaming response notices a disconnect only when a send fails under
@@ -34,37 +36,51 @@ class SlowReader(RequestError):
     cache busy for a reader that may never come back, or stall the sender thread, and with it every other stream."""
 
 
-class QueueHandle:
-    """A request's answers, as ("chunk", text) | ("final", Final) | ("error", exception) items of ``queue``: at most
-    ``max_pending`` chunks, then a SlowReader error ends it (the sender then aborts the request)."""
+class Answers:
+    """A request's answers as ``(kind, index, payload)`` items of ``queue``: ("chunk", i, text), ("final", i, Final)
+    or ("error", i, exception) for choice ``i``; at most ``max_pending`` chunks a choice wait unread, then a SlowReader
+    error ends the request (the sender then aborts its choices)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_pending: int = MAX_PENDING_CHUNKS) -> None:
-        self.loop = loop
-        self.max_pending = max_pending
-        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.closed = False          # the HTTP side stopped listening (its client went away)
+    def __init__(self, loop: asyncio.AbstractEventLoop, choices: int = 1,
+                 max_pending: int = MAX_PENDING_CHUNKS) -> None:
+        self.loop, self.choices = loop, choices
+        self.max_pending = max_pending * choices
+        self.queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
+        self.closed = False          # the HTTP side stopped listening (its client went away, or it was ended)
 
-    def _put(self, item: tuple[str, Any]) -> None:
+    def handle(self, index: int) -> "ChoiceHandle":
+        return ChoiceHandle(self, index)
+
+    def put(self, item: tuple[str, int, Any]) -> None:
         if self.closed:
             raise ConnectionError("the client went away")
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)    # raises once the loop is closed
 
+
+class ChoiceHandle:
+    """One choice's ``serve.core.Handle``: what the sender thread hands over goes to the request's :class:`Answers`."""
+
+    def __init__(self, answers: Answers, index: int) -> None:
+        self.answers, self.index = answers, index
+
     def chunk(self, text: str, token_ids: list[int]) -> None:   # noqa: ARG002 -- OpenAI streams text only
-        if self.queue.qsize() >= self.max_pending:   # (read off the loop's thread: at worst one chunk late)
-            self._put(("error", SlowReader(f"the client read its stream too slowly ({self.max_pending} chunks "
-                                           f"unread); the request was ended")))
-            self.closed = True
+        answers = self.answers
+        if answers.queue.qsize() >= answers.max_pending:   # (read off the loop's thread: at worst one chunk late)
+            answers.put(("error", self.index, SlowReader(f"the client read its stream too slowly "
+                                                         f"({answers.max_pending} chunks unread); the request was "
+                                                         f"ended")))
+            answers.closed = True
             raise ConnectionError("the client stopped reading its stream")
-        self._put(("chunk", text))
+        answers.put(("chunk", self.index, text))
 
     def final(self, result: Final) -> None:
-        self._put(("final", result))
+        self.answers.put(("final", self.index, result))
 
     def error(self, exc: BaseException) -> None:
-        self._put(("error", exc))
+        self.answers.put(("error", self.index, exc))
 
     def cancelled(self) -> bool:
-        return self.closed
+        return self.answers.closed
 
 
 class AbortingStream(StreamingResponse):
