@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from ssd_trt.batching.engine import LLMEngine
 from ssd_trt.batching.policy import Learned
+from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.saguaro import overlap_summary
 from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, ResolvedMode, Settings, resolve
@@ -38,6 +39,8 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: dict[str, Any]
+    logprobs: list[TokenLogprob] | None = None          # of token_ids, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] | None = None   # of the prompt's tokens but the first, when asked for
 
 
 class Generator:
@@ -157,7 +160,9 @@ class Generator:
         if cancelled:
             stats["cancelled"] = True
         return [GenerationResult(seq.text(lambda t: self.tokenizer.decode(t, skip_special_tokens=True)), seq.tokens,
-                                 {**stats, "row_tokens": len(seq.tokens), "finish_reason": seq.finish_reason})
+                                 {**stats, "row_tokens": len(seq.tokens), "finish_reason": seq.finish_reason},
+                                 seq.logprobs[:len(seq.tokens)] if params.logprobs is not None else None,
+                                 seq.prompt_logprobs if params.prompt_logprobs is not None else None)
                 for seq in seqs]
 
 

@@ -83,7 +83,7 @@ class Answers:
         self.failure: BaseException | None = None
         self.done = threading.Event()
 
-    def chunk(self, text: str, token_ids: list[int]) -> None:   # noqa: ARG002
+    def chunk(self, text: str, token_ids: list[int], logprobs=None) -> None:   # noqa: ARG002
         self.chunks.append(text)
 
     def final(self, result: Final) -> None:

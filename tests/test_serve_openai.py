@@ -102,6 +102,9 @@ class EchoCore:
                                          limits=SimpleNamespace(max_context=64))
         self.rejected: Counter = Counter()
 
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
     def count_rejected(self, reason: str) -> None:
         self.rejected[reason] += 1
 
@@ -278,6 +281,10 @@ def references(smollm2_build) -> dict:
     refs["sampled"] = gen.generate(PROMPTS[0], sampled, mode="ar")[0]
     refs["prompt_tokens"] = {p: len(gen.encode(p)) for p in PROMPTS}
     refs["chat_prompt_tokens"] = len(gen.encode(CHAT, chat=True))
+    scoring = ssd_trt.SamplingParams(max_new_tokens=MAX_TOKENS, logprobs=2, prompt_logprobs=2)
+    refs["logprobs"] = gen.generate(PROMPTS[1], scoring, mode="ar")[0]
+    refs["chat_logprobs"] = gen.generate(CHAT, scoring, chat=True, mode="ar")[0]
+    refs["ids"] = {p: gen.encode(p) for p in PROMPTS}
     return refs
 
 
@@ -461,6 +468,49 @@ def test_langchains_openai_batch_and_chat_model_get_the_greedy_answers(server, r
     assert langchain_openai.ChatOpenAI(**common).invoke(CHAT).content == references["chat"].text
 
 
+@pytest.mark.slow
+def test_logprobs_and_echo_are_the_targets_own_in_every_mode_streamed_or_not(server, client, references):
+    """Completions (``logprobs: 2``; with ``echo`` and ``max_tokens`` 0 or 1: the prompt's too, as lm-eval's
+    loglikelihood asks) and chat (``logprobs: true, top_logprobs: 2``): the numbers of the in-process run, in ar and
+    ssd, whole and streamed."""
+    model, ref = server.build_dir.name, references["logprobs"]
+    ids = references["ids"][PROMPTS[1]]
+    expected = [e.logprob for e in ref.logprobs]
+    for mode in ("ar", "ssd"):
+        out = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                        logprobs=2, extra_body={"mode": mode})
+        lp = out.choices[0].logprobs
+        assert out.choices[0].text == ref.text and lp.token_logprobs == pytest.approx(expected, abs=1e-4)
+        assert all(len(top) <= 2 and max(top.values()) == pytest.approx(value, abs=1e-4)
+                   for top, value in zip(lp.top_logprobs, lp.token_logprobs))          # greedy: the best one
+        assert "".join(lp.tokens) == ref.text and lp.text_offset[0] == 0
+        streamed: list[float] = []
+        for chunk in client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                               temperature=0, logprobs=2, stream=True, extra_body={"mode": mode}):
+            for choice in chunk.choices:
+                streamed += choice.logprobs.token_logprobs if choice.logprobs else []
+        assert streamed == pytest.approx(expected, abs=1e-4)
+    prompt_expected = [None] + [e.logprob for e in ref.prompt_logprobs]
+    for max_tokens in (0, 1):           # token ids in, as lm-eval sends them
+        out = client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
+                                        echo=True)
+        lp = out.choices[0].logprobs
+        assert len(lp.token_logprobs) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(prompt_expected[1:], abs=1e-4)
+        assert out.choices[0].text.startswith(PROMPTS[1]) and out.usage.completion_tokens == max_tokens
+        if max_tokens:
+            assert lp.token_logprobs[-1] == pytest.approx(expected[0], abs=1e-4)
+        else:
+            assert out.choices[0].text == PROMPTS[1] and out.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": CHAT}],
+                                          max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"mode": "ssd"})
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in references["chat_logprobs"].logprobs],
+                                                         abs=1e-4)
+    assert all(len(c.top_logprobs) == 2 and bytes(c.bytes) == c.token.encode() for c in content)
+
+
 BAD_REQUESTS = [   # (what, endpoint, body, the message's beginning, param)
     ("temperature below 0", "completions", {"prompt": "Hi", "max_tokens": 4, "temperature": -0.5},
      "temperature must be a finite number >= 0", "temperature"),
@@ -490,8 +540,15 @@ BAD_REQUESTS = [   # (what, endpoint, body, the message's beginning, param)
     ("stop neither string nor list", "completions", {"prompt": "Hi", "max_tokens": 4, "stop": 5},
      "stop must be a string or a list of strings", "stop"),
     ("malformed JSON", "completions", b'{"prompt": "Hi", "max_tokens": ', "the request body is not valid JSON", None),
-    ("logprobs", "completions", {"prompt": "Hi", "max_tokens": 4, "logprobs": 2}, "logprobs is not supported",
-     "logprobs"),
+    ("logprobs over 20", "completions", {"prompt": "Hi", "max_tokens": 4, "logprobs": 21},
+     "logprobs must be an integer in 0..20", "logprobs"),
+    ("top_logprobs without logprobs", "chat/completions",
+     {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "top_logprobs": 2},
+     "top_logprobs needs logprobs: true", "top_logprobs"),
+    ("echo streamed", "completions", {"prompt": "Hi", "max_tokens": 4, "echo": True, "stream": True},
+     "echo is not supported with stream", "echo"),
+    ("max_tokens 0 without echo", "completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens must be >= 1",
+     "max_tokens"),
     ("an empty prompt", "completions", {"prompt": "   ", "max_tokens": 4}, "prompt is empty", "prompt"),
     # serve/fields.py: a field nobody knows, one of the other endpoint, or one this server does not do
     ("an unknown field", "completions", {"prompt": "Hi", "max_tokens": 4, "frobnicate": 1},

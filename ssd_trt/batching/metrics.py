@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.round import RoundPlan, RoundReport
 from ssd_trt.decoding.sequence import SequenceState
 
@@ -18,6 +19,7 @@ class RequestOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)   # the new tokens', when the request asked
 
 
 class Outputs:
@@ -29,6 +31,8 @@ class Outputs:
     def emit(self, seq: SequenceState, tokens: list[int]) -> None:
         out = self._by_request.setdefault(seq.request_id, RequestOutput(seq.request_id, [], False, None))
         out.new_tokens += tokens
+        if seq.params.logprobs is not None and tokens:      # (commit kept them alongside the tokens)
+            out.new_logprobs += seq.logprobs[len(seq.logprobs) - len(tokens):]
         out.finished, out.finish_reason = seq.finished, seq.finish_reason
 
     def list(self) -> list[RequestOutput]:

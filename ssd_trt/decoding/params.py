@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ssd_trt.decoding.logprobs import MAX_TOP_LOGPROBS
 from ssd_trt.errors import RequestError
 
 MAX_NEW_TOKENS_LIMIT = 1 << 16
@@ -21,6 +22,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # generation ends after any of these (kept in the output, like EOS)
     stop: tuple[str, ...] = ()             # stop strings: generation ends when the text contains one; the text
                                            # returned ends before it (token ids: through the token completing it)
+    logprobs: int | None = None            # each generated token's target logprob and this many alternatives
+                                           # (decoding/logprobs.py); None: none
+    prompt_logprobs: int | None = None     # the same for the prompt's tokens (all but the first)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -47,6 +51,12 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}")
         if any(not isinstance(text, str) or not text for text in self.stop):
             raise RequestError(f"stop strings must be non-empty strings, got {list(self.stop)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in 0..{MAX_TOP_LOGPROBS} (alternatives per token) "
+                                   f"or None, got {value!r}")
 
     @property
     def greedy(self) -> bool:

@@ -35,6 +35,7 @@ from ssd_trt.decoding import saguaro
 from ssd_trt.decoding.draft_lane import DraftLane
 from ssd_trt.decoding.fan_out import FanOutPlanners
 from ssd_trt.decoding.feature_relay import relay_features, target_features
+from ssd_trt.decoding.logprobs import token_logprobs
 from ssd_trt.decoding.sampling import draw_rows, verify_chain
 from ssd_trt.decoding.sequence import SequenceState, Speculation
 from ssd_trt.decoding.settings import SD, SSD
@@ -297,7 +298,11 @@ def verify(target: Engine, rows: list[SequenceState], proposals: list, alone: bo
             seq.features.append(int(start[i]), target_features(target)[i, verified])
         if isinstance(proposal, TreeRow):     # the accepted path's slots become the row's next slots
             target.keep(i, int(start[i]), verified)
-        result.committed = seq.commit(committed)
+        # committed token k was predicted at the verified column k: the target's own logprobs, accepted draft
+        # tokens included (decoding/logprobs.py)
+        logprobs = None if seq.params.logprobs is None else \
+            token_logprobs(logits[i, verified[:len(committed)]], committed, seq.params.logprobs)
+        result.committed = seq.commit(committed, logprobs)
         new_lengths[i] = start[i] + 1 + accepted
         results.append(result)
         verified_tokens.append([previous] + committed[:accepted])

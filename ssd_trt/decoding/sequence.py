@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from ssd_trt.decoding.feature_relay import FeatureLog
+from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution
 from ssd_trt.decoding.settings import ResolvedMode
@@ -73,6 +74,8 @@ class SequenceState:
     speculation: Speculation | None = None    # SSD: the next round's tokens, ready
     features: FeatureLog | None = None        # the target's features of the verified tokens (for an EAGLE-3 draft)
     stats: RoundStats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)      # of ``tokens``, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # of prompt[1:], when params.prompt_logprobs
     added_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -98,9 +101,9 @@ class SequenceState:
         """Every token of the sequence: the prompt and what was generated."""
         return self.prompt + self.tokens
 
-    def commit(self, new_tokens: list[int]) -> list[int]:
+    def commit(self, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append tokens up to the first stop condition; returns what was kept (the last one: the new unfed
-        token, when the request goes on)."""
+        token, when the request goes on). ``logprobs``: the tokens' own, kept alongside them."""
         if self.finished:
             return []
         kept: list[int] = []
@@ -119,6 +122,8 @@ class SequenceState:
                 self.finish(reason)
                 break
         self.tokens += kept
+        if logprobs is not None:
+            self.logprobs += logprobs[:len(kept)]
         if kept and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         if kept and not self.finished:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Protocol
 
 from ssd_trt.batching.engine import LLMEngine, RequestOutput
 from ssd_trt.batching.scheduler import CapacityError
+from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sequence import SequenceState
 from ssd_trt.decoding.settings import ResolvedMode, Settings
@@ -82,13 +83,15 @@ class Final:
     prompt_tokens: int
     completion_tokens: int
     stats: dict[str, Any]           # request_stats
+    logprobs: list[TokenLogprob] | None = None          # of ``token_ids``, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None   # of the prompt's tokens but the first, when asked for
 
 
 class Handle(Protocol):
     """A frontend's answer channel for one request; called on the sender thread only. A method that raises marks
     the request gone (the client went away): it is aborted and nothing more is sent."""
 
-    def chunk(self, text: str, token_ids: list[int]) -> None: ...
+    def chunk(self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None: ...
 
     def final(self, result: Final) -> None: ...
 
@@ -367,7 +370,7 @@ class ServingCore:
                     seq = self._take(output.request_id)
                 self._outbox.put((job, "final", (output.new_tokens, seq)))
             elif job.submission.stream and output.new_tokens:
-                self._outbox.put((job, "chunk", output.new_tokens))
+                self._outbox.put((job, "chunk", (output.new_tokens, output.new_logprobs)))
 
     def fail_all(self, exc: BaseException) -> None:
         """The engine step failed (on the step thread): every request in it gets an error (the engines stay usable),
@@ -464,11 +467,13 @@ class ServingCore:
     def _send_entries(self, job: Job, entries: list[tuple[str, Any]]) -> None:
         """One chunk for a request's queued tokens, its final answer (or error) last; nothing once it is gone."""
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
         for kind, payload in entries:
             if job.gone:
                 return
             if kind == "chunk":
-                tokens += payload
+                tokens += payload[0]
+                logprobs += payload[1]
             elif kind == "error":
                 self._send(job, job.handle.error, payload)
                 return
@@ -481,7 +486,8 @@ class ServingCore:
                 self._send(job, job.handle.final, self._final(job, tokens + new_tokens, seq))
                 return
         if tokens and not job.cancelled:
-            self._send(job, job.handle.chunk, job.detokenizer.push(tokens), tokens)
+            wanted = job.submission.params.logprobs is not None
+            self._send(job, job.handle.chunk, job.detokenizer.push(tokens), tokens, logprobs if wanted else None)
 
     def _final(self, job: Job, unsent: list[int], seq: SequenceState) -> Final:
         text = seq.text(self.decode)
@@ -489,8 +495,11 @@ class ServingCore:
             text, ids = job.detokenizer.finish(text), unsent
         else:
             ids = seq.tokens
+        params = job.submission.params
         return Final(text, ids, seq.finish_reason, len(job.submission.prompt_ids), len(seq.tokens),
-                     request_stats(seq))
+                     request_stats(seq),
+                     None if params.logprobs is None else seq.logprobs[len(seq.logprobs) - len(ids):],
+                     None if params.prompt_logprobs is None else seq.prompt_logprobs)
 
     def _send(self, job: Job, method: Callable, *args: Any) -> None:
         """A failure (the client went away) marks the request gone and never disturbs the others."""

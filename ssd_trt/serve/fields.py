@@ -56,6 +56,9 @@ FIELDS: tuple[Field, ...] = (
     Field("backup", MODE, BOTH, "backup", "TYPE_STRING"),
     Field("tree_widths", MODE, BOTH, "tree_widths", "TYPE_INT32", "[ -1 ]"),
     Field("stop_token_ids", SAMPLING),
+    Field("logprobs", SAMPLING),               # completions: how many alternatives; chat: true / false
+    Field("top_logprobs", SAMPLING, (CHAT,)),
+    Field("echo", FRONTEND, (COMPLETIONS,)),
     Field("n", FRONTEND),
     Field("stream_options", FRONTEND),
     # advisory (OpenAI: for the provider's records, abuse detection or caching; the output does not depend on them)
@@ -66,9 +69,6 @@ FIELDS: tuple[Field, ...] = (
     Field("store", ADVISORY),
     Field("service_tier", ADVISORY),
     # not done by this server: refused unless neutral
-    Field("logprobs", UNSUPPORTED, neutral=(None, False, 0)),
-    Field("top_logprobs", UNSUPPORTED, (CHAT,), neutral=(None, 0)),
-    Field("echo", UNSUPPORTED, (COMPLETIONS,), neutral=(None, False)),
     Field("suffix", UNSUPPORTED, (COMPLETIONS,), neutral=(None, "")),
     Field("best_of", UNSUPPORTED, (COMPLETIONS,), neutral=(None, 1)),
     Field("frequency_penalty", UNSUPPORTED, neutral=(None, 0)),

@@ -172,10 +172,10 @@ def create_app(state: ServerState) -> FastAPI:
             for request_id in request_ids:
                 core.abort(request_id)
         if parsed.stream:
-            return AbortingStream(events(answers, Chunks(parsed, answer_id, state.model), abort), abort)
-        return await whole(request, answers, parsed, answer_id, abort)
+            return AbortingStream(events(answers, Chunks(parsed, answer_id, state.model, core.decode), abort), abort)
+        return await whole(request, core, answers, parsed, answer_id, abort)
 
-    async def whole(request: Request, answers: Answers, parsed: Parsed, answer_id: str,
+    async def whole(request: Request, core: ServingCore, answers: Answers, parsed: Parsed, answer_id: str,
                     abort: Callable[[], None]) -> Response:
         """A plain request's answer, once every choice finished; aborted if its client goes away meanwhile, if one
         of its choices fails, or if the server gives up on it (its task is cancelled at shutdown)."""
@@ -192,7 +192,7 @@ def create_app(state: ServerState) -> FastAPI:
                     finals[index] = payload
                     if len(finals) == answers.choices:
                         return JSONResponse(response(parsed, answer_id, state.model,
-                                                     [finals[i] for i in range(answers.choices)]))
+                                                     [finals[i] for i in range(answers.choices)], core.decode))
                 if kind == "error":
                     abort()                                     # (the other choices: nobody will read them)
                     return error_response(from_exception(payload))
@@ -230,7 +230,7 @@ async def events(answers: Answers, chunks: Chunks, abort: Callable[[], None]) ->
     while len(finals) < answers.choices:
         kind, index, payload = await answers.queue.get()
         if kind == "chunk":
-            text = chunks.text(index, payload)
+            text = chunks.text(index, *payload)
             if text:
                 yield text
         elif kind == "final":

@@ -2,13 +2,15 @@
 
 The fields each endpoint takes are ``serve/fields.py``'s table: ``model``, ``prompt`` (a string, token ids, or a list
 of several) / ``messages``, ``max_tokens`` (and ``max_completion_tokens``), ``temperature`` (default 1, as OpenAI's),
-``top_p``, ``seed``, ``stop`` (a string or a list), ``stop_token_ids``, ``n``, ``stream``,
-``stream_options.include_usage``; as extra body fields (the Triton inputs of the same names): ``mode`` (ar | sd | ssd,
-default ssd), ``draft_len``, ``fan_out_budget``, ``backup``, ``tree_widths``, ``top_k`` and ``ignore_eos``; OpenAI's
-advisory fields (``user``, ``metadata``, ...) are taken and ignored. A field this server does not do (``logprobs``,
-penalties, ``min_p``, ``logit_bias``, tools, ``echo``, ``suffix``, ``best_of`` > 1, JSON output) and any field it does
-not know are refused with a 400 naming the field, never ignored. Several prompts and ``n`` > 1 become one
-submission per choice (:class:`Parsed`).
+``top_p``, ``seed``, ``stop`` (a string or a list), ``stop_token_ids``, ``n``, ``logprobs`` (completions: ``k``
+alternatives; chat: true, with ``top_logprobs``), ``echo`` (completions; with ``max_tokens`` 0: the prompt's
+logprobs alone), ``stream``, ``stream_options.include_usage``; as extra body fields (the Triton inputs of the same
+names): ``mode`` (ar | sd | ssd, default ssd), ``draft_len``, ``fan_out_budget``, ``backup``, ``tree_widths``,
+``top_k`` and ``ignore_eos``; OpenAI's advisory fields (``user``, ``metadata``, ...) are taken and ignored. A field
+this server does not do (penalties, ``min_p``, ``logit_bias``, tools, ``suffix``, ``best_of`` > 1, JSON output) and
+any field it does not know are refused with a 400 naming the field, never ignored. The logprobs are the target's own
+(``decoding/logprobs.py``), shaped by ``logprobs.py``. Several prompts and ``n`` > 1 become one submission per choice
+(:class:`Parsed`).
 """
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.settings import DEFAULT_MODE, Settings, parse_mode
 from ssd_trt.requests import encode_chat
 from ssd_trt.serve.core import Final, ServingCore, Submission
 from ssd_trt.serve.fields import BY_NAME, CHAT, COMPLETIONS, UNSUPPORTED, endpoint_fields, is_neutral
 from ssd_trt.serve.openai.errors import ApiError, bad_request
+from ssd_trt.serve.openai.logprobs import Decode, chat_logprobs, completion_logprobs, merge
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 ROLES = ("system", "developer", "user", "assistant")
@@ -41,6 +45,9 @@ class Parsed:
     stream: bool
     include_usage: bool
     chat: bool
+    logprobs: bool = False       # the answer carries the target's logprobs (decoding/logprobs.py)
+    echo: bool = False           # completions: the prompt (and its logprobs) comes first in each choice
+    prompt_only: bool = False    # echo with max_tokens 0: the prompt's logprobs alone (one token is made, not shown)
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -233,11 +240,19 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
         raise bad_request("stream_options needs stream: true and must be an object ({\"include_usage\": true})",
                           "stream_options")
     include_usage = _flag(options or {}, "include_usage")
+    echo = not chat and _flag(body, "echo")
+    if echo and stream:
+        raise bad_request("echo is not supported with stream: true; ask for the whole answer", "echo")
+    logprobs = _logprobs(body, chat)
     max_tokens = _integer(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    if max_tokens is not None and (max_tokens < 0 or max_tokens == 0 and not echo):
+        raise bad_request(f"max_tokens must be >= 1 (0 only with echo: the prompt's logprobs alone), got "
+                          f"{max_tokens}", "max_tokens")
+    prompt_only = max_tokens == 0
+    if prompt_only:
+        max_tokens = 1                          # (made, not shown: the engine always makes one)
     settings = _settings(body)
     prompts = [_chat_ids(core.generator.tokenizer, _messages(body))] if chat else _prompts(body, core)
     n = _integer(body, "n")
@@ -249,7 +264,8 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
     params = SamplingParams(max_new_tokens=1, temperature=1.0 if temperature is None else temperature,
                             top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
                             seed=_integer(body, "seed"), stop_on_eos=not _flag(body, "ignore_eos"), stop=_stop(body),
-                            stop_token_ids=_stop_token_ids(body))
+                            stop_token_ids=_stop_token_ids(body), logprobs=logprobs,
+                            prompt_logprobs=logprobs if echo else None)
     submissions = []
     for ids in prompts:
         tokens = max_tokens if max_tokens is not None else \
@@ -259,7 +275,20 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
             # each choice its own seed stream: choice i of a seeded request draws as a request seeded seed + i
             seed = None if params.seed is None else params.seed + len(submissions)
             submissions.append(replace(checked, params=replace(checked.params, seed=seed)))
-    return Parsed(tuple(submissions), n, stream, include_usage, chat)
+    return Parsed(tuple(submissions), n, stream, include_usage, chat, logprobs is not None, echo, prompt_only)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token the answer's logprobs carry; None: no logprobs. Completions: ``logprobs: k``;
+    chat: ``logprobs: true`` with ``top_logprobs: k`` (default 0)."""
+    if not chat:
+        return _integer(body, "logprobs")      # (range checked by SamplingParams)
+    top = _integer(body, "top_logprobs")
+    if not _flag(body, "logprobs"):
+        if top is not None:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def default_max_tokens(core: ServingCore, ids: list[int], params: SamplingParams, settings: Settings) -> int:
@@ -288,12 +317,37 @@ def spec_stats(final: Final) -> dict[str, Any]:
     return {key: finite(value) for key, value in final.stats.items()}
 
 
-def response(parsed: Parsed, request_id: str, model: str, finals: list[Final]) -> dict[str, Any]:
+def shown(parsed: Parsed, final: Final) -> Final:
+    """What a choice shows of its result: nothing generated when the request asked for its prompt's logprobs alone."""
+    if not parsed.prompt_only:
+        return final
+    return replace(final, text="", token_ids=[], completion_tokens=0, finish_reason="length",
+                   logprobs=None if final.logprobs is None else [])
+
+
+def choice_logprobs(parsed: Parsed, final: Final, prompt_ids: list[int], decode: Decode) -> dict[str, Any] | None:
+    """A choice's logprobs object: the echoed prompt's (completions with echo) and the generated tokens'."""
+    if not parsed.logprobs:
+        return None
+    if parsed.chat:
+        return chat_logprobs(final.logprobs or [], decode)
+    prompt = None
+    if parsed.echo:
+        prompt = completion_logprobs([None, *(final.prompt_logprobs or [])], prompt_ids, decode)
+    offset = len(decode(prompt_ids)) if parsed.echo else 0
+    return merge(prompt, completion_logprobs(final.logprobs or [], final.token_ids, decode, offset))
+
+
+def response(parsed: Parsed, request_id: str, model: str, finals: list[Final], decode: Decode) -> dict[str, Any]:
     """The whole answer of a request that did not stream (``finals``: its choices' results, by index)."""
+    finals = [shown(parsed, final) for final in finals]
     choices = []
     for index, final in enumerate(finals):
-        body = {"message": {"role": "assistant", "content": final.text}} if parsed.chat else {"text": final.text}
-        choices.append({"index": index, **body, "logprobs": None, "finish_reason": FINISH_REASON[final.finish_reason]})
+        prompt_ids = parsed.submissions[index].prompt_ids
+        text = decode(prompt_ids) + final.text if parsed.echo else final.text
+        body = {"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text}
+        choices.append({"index": index, **body, "logprobs": choice_logprobs(parsed, final, prompt_ids, decode),
+                        "finish_reason": FINISH_REASON[final.finish_reason]})
     stats = [spec_stats(final) for final in finals]
     return {"id": request_id, "object": "chat.completion" if parsed.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage(finals, parsed.n),
@@ -302,14 +356,15 @@ def response(parsed: Parsed, request_id: str, model: str, finals: list[Final]) -
 
 
 class Chunks:
-    """A streamed request's server-sent events: ``data: {chunk}`` per piece of a choice's text, each choice's finish
-    reason and statistics in its last chunk, the usage in one more chunk when ``stream_options.include_usage``, then
-    ``data: [DONE]``."""
+    """A streamed request's server-sent events: ``data: {chunk}`` per piece of a choice's text (with its tokens'
+    logprobs when asked for), each choice's finish reason and statistics in its last chunk, the usage in one more
+    chunk when ``stream_options.include_usage``, then ``data: [DONE]``."""
 
-    def __init__(self, parsed: Parsed, request_id: str, model: str) -> None:
-        self.parsed, self.id, self.model = parsed, request_id, model
+    def __init__(self, parsed: Parsed, request_id: str, model: str, decode: Decode) -> None:
+        self.parsed, self.id, self.model, self.decode = parsed, request_id, model, decode
         self.created = int(time.time())
         self.started: set[int] = set()          # choices whose first delta was sent (a chat's names the role)
+        self.offsets: dict[int, int] = {}       # completions: each choice's text sent so far (its logprobs' offsets)
 
     def _chunk(self, choices: list[dict], **extra: Any) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
@@ -318,20 +373,32 @@ class Chunks:
             body["usage"] = None
         return event(body)
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def _logprobs(self, index: int, text: str, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if not self.parsed.logprobs:
+            return None
+        entries = entries or []
+        if self.parsed.chat:
+            return chat_logprobs(entries, self.decode)
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(text)
+        return completion_logprobs(entries, [e.token for e in entries], self.decode, offset)
+
+    def _choice(self, index: int, text: str, finish_reason: str | None,
+                entries: list[TokenLogprob] | None) -> dict:
+        logprobs = self._logprobs(index, text, entries)
         if not self.parsed.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         delta = {"content": text} if text or index not in self.started else {}
         if index not in self.started:
             delta = {"role": "assistant", **delta}
         self.started.add(index)
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def text(self, index: int, text: str) -> str:
-        return self._chunk([self._choice(index, text, None)]) if text else ""
+    def text(self, index: int, text: str, entries: list[TokenLogprob] | None = None) -> str:
+        return self._chunk([self._choice(index, text, None, entries)]) if text or entries else ""
 
     def final(self, index: int, final: Final) -> str:
-        return self._chunk([self._choice(index, final.text, FINISH_REASON[final.finish_reason])],
+        return self._chunk([self._choice(index, final.text, FINISH_REASON[final.finish_reason], final.logprobs)],
                            ssd_trt=spec_stats(final))
 
     def end(self, finals: list[Final]) -> str:

@@ -21,6 +21,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.errors import RequestError
 from ssd_trt.serve.core import Final
 
@@ -37,9 +38,9 @@ class SlowReader(RequestError):
 
 
 class Answers:
-    """A request's answers as ``(kind, index, payload)`` items of ``queue``: ("chunk", i, text), ("final", i, Final)
-    or ("error", i, exception) for choice ``i``; at most ``max_pending`` chunks a choice wait unread, then a SlowReader
-    error ends the request (the sender then aborts its choices)."""
+    """A request's answers as ``(kind, index, payload)`` items of ``queue``: ("chunk", i, (text, logprobs or None)),
+    ("final", i, Final) or ("error", i, exception) for choice ``i``; at most ``max_pending`` chunks a choice wait
+    unread, then a SlowReader error ends the request (the sender then aborts its choices)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, choices: int = 1,
                  max_pending: int = MAX_PENDING_CHUNKS) -> None:
@@ -63,7 +64,8 @@ class ChoiceHandle:
     def __init__(self, answers: Answers, index: int) -> None:
         self.answers, self.index = answers, index
 
-    def chunk(self, text: str, token_ids: list[int]) -> None:   # noqa: ARG002 -- OpenAI streams text only
+    def chunk(self, text: str, token_ids: list[int],      # noqa: ARG002 -- OpenAI streams text (and logprobs)
+              logprobs: list[TokenLogprob] | None = None) -> None:
         answers = self.answers
         if answers.queue.qsize() >= answers.max_pending:   # (read off the loop's thread: at worst one chunk late)
             answers.put(("error", self.index, SlowReader(f"the client read its stream too slowly "
@@ -71,7 +73,7 @@ class ChoiceHandle:
                                                          f"ended")))
             answers.closed = True
             raise ConnectionError("the client stopped reading its stream")
-        answers.put(("chunk", self.index, text))
+        answers.put(("chunk", self.index, (text, logprobs)))
 
     def final(self, result: Final) -> None:
         self.answers.put(("final", self.index, result))

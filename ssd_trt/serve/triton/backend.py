@@ -126,7 +126,7 @@ class TritonHandle:
     def __init__(self, sender, pb_utils) -> None:
         self.sender, self.pb = sender, pb_utils
 
-    def chunk(self, text: str, token_ids: list[int]) -> None:
+    def chunk(self, text: str, token_ids: list[int], logprobs=None) -> None:   # noqa: ARG002 -- no such output
         self.sender.send(self._response(text, token_ids))
 
     def final(self, result: Final) -> None:
