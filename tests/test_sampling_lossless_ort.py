@@ -41,15 +41,17 @@ def pair(tmp_path_factory):
     return build(recipe, root=root), target
 
 
-def exact_tokens(target, params: ssd_trt.SamplingParams, length: int = 2) -> dict[tuple[int, ...], float]:
-    """P(t1..t_length | prompt) under the filtered target, from the torch decoder (no runtime code involved)."""
+def exact_tokens(target, params: ssd_trt.SamplingParams, length: int = 2,
+                 probs_of=None) -> dict[tuple[int, ...], float]:
+    """P(t1..t_length | prompt) under the filtered target, from the torch decoder (no runtime code involved);
+    ``probs_of(logits, prefix)``: the filtered distribution after ``prefix`` (default: ``reference_probs``)."""
     from ssd_trt.export.parity import decoder_logits
     out: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
         longer = {}
         for prefix, mass in out.items():
             logits = decoder_logits(target, torch.tensor([PROMPT + list(prefix)]))[0, -1].numpy()
-            probs = reference_probs(logits, params)
+            probs = reference_probs(logits, params) if probs_of is None else probs_of(logits, list(prefix))
             for token in np.flatnonzero(probs > 0):
                 longer[prefix + (int(token),)] = mass * float(probs[token])
         out = longer

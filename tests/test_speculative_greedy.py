@@ -67,3 +67,26 @@ def test_requests_at_the_context_limit_finish_exactly_or_are_refused_up_front(ti
     too_long = SamplingParams(max_new_tokens=fits.max_new_tokens + 1, stop_on_eos=False)
     with pytest.raises(RequestError, match=f"slots for {mode} speculation"):
         gen.generate_ids([prompt], too_long, mode=mode)
+
+
+@pytest.mark.xfail(strict=True, reason="known defect, open: on the embedded SmolLM2 build's fused ONNX Runtime graph "
+                   "(GroupQueryAttention), a token tree's node whose KV slot is not its position (a second sibling) "
+                   "gets logits up to 1.0 away from autoregressive decoding's, so greedy SD trees can leave AR's "
+                   "output (11 of 24 runs of 48 tokens); chains and SSD are exact. Keys are rotated right (checked); "
+                   "the cause is not found yet")
+def test_a_second_sibling_in_a_token_tree_gets_the_logits_autoregressive_decoding_gives_it(smollm2_build):
+    from ssd_trt.decoding.speculative_tree import TokenTree
+    gen = ssd_trt.load(smollm2_build)
+    target = gen.engines.get("target")
+    context = gen.encode("def fibonacci(n):") + [472, 2822, 79, 2871, 446, 216, 33, 472, 327, 2056, 281, 1845, 24, 94,
+                                                  727, 448, 2822, 79, 2871, 446]
+    start = len(context)
+
+    def last_logits(tokens: list[int], positions: list[int], mask: np.ndarray | None) -> np.ndarray:
+        target.reset(1)
+        target.forward(np.array([context]), np.arange(start)[None])
+        return target.forward(np.array([tokens]), start + np.array(positions)[None],
+                              None if mask is None else mask[None])[0]
+    chain = last_logits([2822, 24], [0, 1], None)[1]                  # AR: 24 right after the root
+    tree = last_logits([2822, 79, 24], [0, 1, 1], TokenTree.of((2,)).mask)[2]   # 24 as the root's second child
+    assert np.abs(tree - chain).max() < 1e-3

@@ -25,6 +25,11 @@ class SamplingParams:
     logprobs: int | None = None            # each generated token's target logprob and this many alternatives
                                            # (decoding/logprobs.py); None: none
     prompt_logprobs: int | None = None     # the same for the prompt's tokens (all but the first)
+    min_p: float = 0.0                     # keep tokens with at least min_p times the most likely one's probability
+    presence_penalty: float = 0.0          # the target's logits adjusted (decoding/penalties.py): OpenAI's
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0        # vLLM's (CTRL's), over prompt and output; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -51,6 +56,21 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}")
         if any(not isinstance(text, str) or not text for text in self.stop):
             raise RequestError(f"stop strings must be non-empty strings, got {list(self.stop)}")
+        for name, low, high in (("min_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                                ("repetition_penalty", 1e-3, 100.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise RequestError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        if not isinstance(bias, (list, tuple)) or any(
+                not isinstance(pair, (list, tuple)) or len(pair) != 2 or isinstance(pair[0], bool)
+                or not isinstance(pair[0], int) or pair[0] < 0 or isinstance(pair[1], bool)
+                or not isinstance(pair[1], (int, float)) or not -100 <= pair[1] <= 100 for pair in bias):
+            raise RequestError(f"logit_bias must map token ids (integers >= 0) to biases in [-100, 100], got "
+                               f"{self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

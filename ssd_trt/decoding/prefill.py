@@ -1,8 +1,11 @@
 """The prompts of requests that just joined the rows, fed to the target between rounds, and their first tokens."""
 from __future__ import annotations
 
+import numpy as np
+
 from ssd_trt.decoding.feature_relay import target_features
 from ssd_trt.decoding.logprobs import token_logprobs
+from ssd_trt.decoding.penalties import adjusted, adjusts
 from ssd_trt.decoding.sampling import draw_rows
 from ssd_trt.decoding.sequence import SequenceState
 from ssd_trt.engines.base import Engine
@@ -42,7 +45,11 @@ def prefill(target: Engine, rows: list[SequenceState], spin: bool) -> list[tuple
         if scored:          # prompt token j (j >= 1) was predicted at position j - 1
             seq = run[0]
             seq.prompt_logprobs = token_logprobs(every[0, :-1], seq.prompt[1:], seq.params.prompt_logprobs)
-        tokens, _ = draw_rows(logits, [s.params for s in run], [s.rng for s in run])
+        chosen = logits
+        if any(adjusts(s.params) for s in run):          # (penalties.py: the first token follows no output)
+            chosen = np.stack([adjusted(logits[r:r + 1], s.params, s.prompt, [[]])[0] if adjusts(s.params)
+                               else logits[r] for r, s in enumerate(run)])
+        tokens, _ = draw_rows(chosen, [s.params for s in run], [s.rng for s in run])
         for r, (seq, token) in enumerate(zip(run, tokens)):
             logprobs = None if seq.params.logprobs is None else \
                 token_logprobs(logits[r:r + 1], [int(token)], seq.params.logprobs)

@@ -36,6 +36,7 @@ from ssd_trt.decoding.draft_lane import DraftLane
 from ssd_trt.decoding.fan_out import FanOutPlanners
 from ssd_trt.decoding.feature_relay import relay_features, target_features
 from ssd_trt.decoding.logprobs import token_logprobs
+from ssd_trt.decoding.penalties import adjusted, adjusts, chain_outputs, tree_outputs
 from ssd_trt.decoding.sampling import draw_rows, verify_chain
 from ssd_trt.decoding.sequence import SequenceState, Speculation
 from ssd_trt.decoding.settings import SD, SSD
@@ -278,17 +279,18 @@ def verify(target: Engine, rows: list[SequenceState], proposals: list, alone: bo
             continue
         previous = seq.unfed
         verified = [0]                        # columns of this row's feed the target verified
+        chosen = target_choice_logits(seq, proposal, logits[i])
         if proposal is None:
-            token, _ = draw_rows(logits[i, :1], [seq.params], [seq.rng])
+            token, _ = draw_rows(chosen[:1], [seq.params], [seq.rng])
             accepted, committed, result = 0, [int(token[0])], RowResult([])
         elif isinstance(proposal, TreeRow):
-            verified, extra = accepted_path(proposal.trees, proposal.row, logits[i, :proposal.trees.tree.size],
+            verified, extra = accepted_path(proposal.trees, proposal.row, chosen[:proposal.trees.tree.size],
                                             seq.params, seq.rng)
             accepted = len(verified) - 1
             committed = [int(t) for t in proposal.trees.nodes[proposal.row, verified[1:]]] + [extra]
             result = RowResult([], "tree", len(proposal.trees.tree.widths), accepted)
         else:
-            outcome = verify_chain(proposal.tokens, proposal.dists, logits[i, :len(proposal.tokens) + 1],
+            outcome = verify_chain(proposal.tokens, proposal.dists, chosen[:len(proposal.tokens) + 1],
                                    seq.params, seq.rng)
             accepted = outcome.accepted
             verified = list(range(accepted + 1))
@@ -308,6 +310,21 @@ def verify(target: Engine, rows: list[SequenceState], proposals: list, alone: bo
         verified_tokens.append([previous] + committed[:accepted])
     target.rollback(new_lengths)
     return results, verified_tokens, ids.shape[1]
+
+
+def target_choice_logits(seq: SequenceState, proposal, logits: np.ndarray) -> np.ndarray:
+    """The logits [W, V] one row's decisions are made on: its own, adjusted where the request asks for a logit bias
+    or penalties, each verified position by the output ahead of it on its path (``penalties.py``)."""
+    if not adjusts(seq.params):
+        return logits
+    if proposal is None:
+        outputs = [seq.tokens]
+    elif isinstance(proposal, TreeRow):
+        trees = proposal.trees
+        outputs = tree_outputs(seq.tokens, trees.nodes[proposal.row], trees.tree.parents)
+    else:
+        outputs = chain_outputs(seq.tokens, [int(t) for t in proposal.tokens])
+    return adjusted(logits[:len(outputs)], seq.params, seq.prompt, outputs)
 
 
 def verify_inputs(rows: list[SequenceState], proposals: list, start: np.ndarray

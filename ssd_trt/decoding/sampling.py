@@ -14,7 +14,7 @@ exactly the probabilities that were sampled from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -126,13 +126,16 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def filter_logits(logits: np.ndarray, params: SamplingParams) -> TokenDistribution:
-    """softmax(logits / T) restricted to the top-k tokens, then to the top-p nucleus of that, renormalised.
+    """softmax(logits / T) restricted to the top-k tokens, then to the top-p nucleus of that, then to the tokens
+    with at least ``min_p`` times the most likely one's probability, renormalised.
 
     For every row of ``logits`` [..., V] at once. top-k keeps the k highest logits and any tied with the
     k-th (as transformers' TopKLogitsWarper). The nucleus keeps, in order of probability (ties: lower
     token id first), every token whose predecessors hold less than top_p of the mass, so the most likely
     token always stays. The result is sparse when top-k or top-p restrict it, else dense.
     """
+    if params.min_p > 0:
+        return _min_p(filter_logits(logits, replace(params, min_p=0.0)), params.min_p)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     support, z = _finite_support(np.asarray(logits).reshape(-1, vocab))
     inverse_t = 1.0 / max(params.temperature, 1e-8)
@@ -152,6 +155,15 @@ def filter_logits(logits: np.ndarray, params: SamplingParams) -> TokenDistributi
     ids = columns if support is None else \
         np.where(columns == PAD, PAD, _take_rows(support, np.maximum(columns, 0)))
     return TokenDistribution(ids.astype(np.int64).reshape(lead + ids.shape[-1:]), probs.reshape(lead + probs.shape[-1:]))
+
+
+def _min_p(dist: TokenDistribution, min_p: float) -> TokenDistribution:
+    """min-p filtering (Nguyen et al. 2024): each row keeps the tokens with probability >= min_p * its largest,
+    renormalised (the most likely token always stays)."""
+    probs = dist.probs
+    kept = np.where(probs >= min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
+    kept = kept / kept.sum(axis=-1, keepdims=True)
+    return TokenDistribution(None if dist.ids is None else np.where(kept > 0, dist.ids, PAD), kept)
 
 
 def _take_rows(values: np.ndarray, index: np.ndarray) -> np.ndarray:

@@ -59,6 +59,11 @@ FIELDS: tuple[Field, ...] = (
     Field("logprobs", SAMPLING),               # completions: how many alternatives; chat: true / false
     Field("top_logprobs", SAMPLING, (CHAT,)),
     Field("echo", FRONTEND, (COMPLETIONS,)),
+    Field("min_p", SAMPLING),
+    Field("presence_penalty", SAMPLING),
+    Field("frequency_penalty", SAMPLING),
+    Field("repetition_penalty", SAMPLING),
+    Field("logit_bias", SAMPLING),
     Field("n", FRONTEND),
     Field("stream_options", FRONTEND),
     # advisory (OpenAI: for the provider's records, abuse detection or caching; the output does not depend on them)
@@ -71,11 +76,6 @@ FIELDS: tuple[Field, ...] = (
     # not done by this server: refused unless neutral
     Field("suffix", UNSUPPORTED, (COMPLETIONS,), neutral=(None, "")),
     Field("best_of", UNSUPPORTED, (COMPLETIONS,), neutral=(None, 1)),
-    Field("frequency_penalty", UNSUPPORTED, neutral=(None, 0)),
-    Field("presence_penalty", UNSUPPORTED, neutral=(None, 0)),
-    Field("repetition_penalty", UNSUPPORTED, neutral=(None, 1)),
-    Field("min_p", UNSUPPORTED, neutral=(None, 0)),
-    Field("logit_bias", UNSUPPORTED, neutral=(None, {})),
     Field("response_format", UNSUPPORTED, (CHAT,), neutral=(None, {"type": "text"})),
     Field("tools", UNSUPPORTED, (CHAT,), neutral=(None, [])),
     Field("tool_choice", UNSUPPORTED, (CHAT,), neutral=(None, "none")),

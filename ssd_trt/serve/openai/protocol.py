@@ -6,9 +6,10 @@ of several) / ``messages``, ``max_tokens`` (and ``max_completion_tokens``), ``te
 alternatives; chat: true, with ``top_logprobs``), ``echo`` (completions; with ``max_tokens`` 0: the prompt's
 logprobs alone), ``stream``, ``stream_options.include_usage``; as extra body fields (the Triton inputs of the same
 names): ``mode`` (ar | sd | ssd, default ssd), ``draft_len``, ``fan_out_budget``, ``backup``, ``tree_widths``,
-``top_k`` and ``ignore_eos``; OpenAI's advisory fields (``user``, ``metadata``, ...) are taken and ignored. A field
-this server does not do (penalties, ``min_p``, ``logit_bias``, tools, ``suffix``, ``best_of`` > 1, JSON output) and
-any field it does not know are refused with a 400 naming the field, never ignored. The logprobs are the target's own
+``top_k`` and ``ignore_eos``; ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` and
+``logit_bias`` (``decoding/penalties.py``); OpenAI's advisory fields (``user``, ``metadata``, ...) are taken and
+ignored. A field this server does not do (tools, ``suffix``, ``best_of`` > 1, JSON output) and any field it does not
+know are refused with a 400 naming the field, never ignored. The logprobs are the target's own
 (``decoding/logprobs.py``), shaped by ``logprobs.py``. Several prompts and ``n`` > 1 become one submission per choice
 (:class:`Parsed`).
 """
@@ -265,7 +266,7 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
                             top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
                             seed=_integer(body, "seed"), stop_on_eos=not _flag(body, "ignore_eos"), stop=_stop(body),
                             stop_token_ids=_stop_token_ids(body), logprobs=logprobs,
-                            prompt_logprobs=logprobs if echo else None)
+                            prompt_logprobs=logprobs if echo else None, **_adjustments(body))
     submissions = []
     for ids in prompts:
         tokens = max_tokens if max_tokens is not None else \
@@ -276,6 +277,19 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
             seed = None if params.seed is None else params.seed + len(submissions)
             submissions.append(replace(checked, params=replace(checked.params, seed=seed)))
     return Parsed(tuple(submissions), n, stream, include_usage, chat, logprobs is not None, echo, prompt_only)
+
+
+def _adjustments(body: dict) -> dict[str, Any]:
+    """min_p, the penalties and logit_bias as the request set them (ranges checked by SamplingParams)."""
+    out: dict[str, Any] = {name: value for name in ("min_p", "presence_penalty", "frequency_penalty",
+                                                    "repetition_penalty") if (value := _number(body, name)) is not None}
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+            raise bad_request(f"logit_bias must map token ids (as strings, e.g. {{\"50256\": -100}}) to biases, got "
+                              f"{_short(bias)}", "logit_bias")
+        out["logit_bias"] = {int(token): value for token, value in bias.items()}
+    return out
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
