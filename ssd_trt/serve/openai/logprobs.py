@@ -27,10 +27,20 @@ def completion_logprobs(entries: Sequence[TokenLogprob | None], token_ids: Seque
         text = decode([int(token)])
         tokens.append(text)
         values.append(None if entry is None else entry.logprob)
-        tops.append(None if entry is None else {decode([t]): lp for t, lp in entry.top})
+        tops.append(None if entry is None else _top_by_text(entry, decode))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _top_by_text(entry: TokenLogprob, decode: Decode) -> dict[str, float]:
+    """The alternatives keyed by their text; two tokens that decode alike keep the higher logprob (``entry.top`` is
+    best first), so the chosen token's logprob equals the largest value whenever it is the most likely (what a client
+    such as lm-eval compares to tell a greedy continuation)."""
+    out: dict[str, float] = {}
+    for token, logprob in entry.top:
+        out.setdefault(decode([token]), logprob)
+    return out
 
 
 def merge(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
