@@ -89,9 +89,8 @@ NAMES = tuple(BY_NAME)
 TRITON_INPUTS = tuple(f for f in FIELDS if f.triton is not None)
 
 
-def endpoint_fields(endpoint: str) -> tuple[Field, ...]:
-    """The fields a body sent to ``endpoint`` (COMPLETIONS or CHAT) may hold."""
-    return tuple(f for f in FIELDS if endpoint in f.endpoints)
+# the fields a body sent to each endpoint may hold, by name
+BY_ENDPOINT = {endpoint: {f.name: f for f in FIELDS if endpoint in f.endpoints} for endpoint in BOTH}
 
 
 def is_neutral(field: Field, value: Any) -> bool:

@@ -27,7 +27,7 @@ from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.settings import DEFAULT_MODE, Settings, parse_mode
 from ssd_trt.requests import encode_chat
 from ssd_trt.serve.core import Final, ServingCore, Submission
-from ssd_trt.serve.fields import BY_NAME, CHAT, COMPLETIONS, UNSUPPORTED, endpoint_fields, is_neutral
+from ssd_trt.serve.fields import BY_ENDPOINT, BY_NAME, CHAT, COMPLETIONS, UNSUPPORTED, is_neutral
 from ssd_trt.serve.openai.errors import ApiError, bad_request
 from ssd_trt.serve.openai.logprobs import Decode, chat_logprobs, completion_logprobs, merge
 
@@ -43,12 +43,19 @@ class Parsed:
     indices ``p * n`` .. ``p * n + n - 1``, as OpenAI numbers them; each runs as its own row of the batch."""
     submissions: tuple[Submission, ...]
     n: int
-    stream: bool
     include_usage: bool
     chat: bool
-    logprobs: bool = False       # the answer carries the target's logprobs (decoding/logprobs.py)
     echo: bool = False           # completions: the prompt (and its logprobs) comes first in each choice
     prompt_only: bool = False    # echo with max_tokens 0: the prompt's logprobs alone (one token is made, not shown)
+
+    @property
+    def stream(self) -> bool:
+        return self.submissions[0].stream
+
+    @property
+    def logprobs(self) -> bool:
+        """The answer carries the target's logprobs (decoding/logprobs.py)."""
+        return self.submissions[0].params.logprobs is not None
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -104,7 +111,7 @@ def check_model(body: dict, names: tuple[str, ...]) -> None:
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     """Every field of the body must be one the endpoint takes, and a field this server does not do must ask for
     nothing (``serve/fields.py``)."""
-    taken = {f.name: f for f in endpoint_fields(CHAT if chat else COMPLETIONS)}
+    taken = BY_ENDPOINT[CHAT if chat else COMPLETIONS]
     for name, value in body.items():
         field = taken.get(name)
         if field is None:
@@ -276,7 +283,7 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
             # each choice its own seed stream: choice i of a seeded request draws as a request seeded seed + i
             seed = None if params.seed is None else params.seed + len(submissions)
             submissions.append(replace(checked, params=replace(checked.params, seed=seed)))
-    return Parsed(tuple(submissions), n, stream, include_usage, chat, logprobs is not None, echo, prompt_only)
+    return Parsed(tuple(submissions), n, include_usage, chat, echo, prompt_only)
 
 
 def _adjustments(body: dict) -> dict[str, Any]:
