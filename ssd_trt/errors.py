@@ -19,7 +19,12 @@ class ConfigError(SsdTrtError, ValueError):
 
 
 class RequestError(SsdTrtError, ValueError):
-    """A generation request is invalid (prompt, sampling parameters, mode, batch)."""
+    """A generation request is invalid (prompt, sampling parameters, mode, batch). ``field``: the request field at
+    fault, as the frontends name it, where the raiser knows it (a frontend's error then names it as its ``param``)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class EngineError(SsdTrtError):

@@ -37,12 +37,15 @@ def encode_prompt(tokenizer, prompt: str | bytes, chat: bool) -> list[int]:
     return encode_chat(tokenizer, [{"role": "user", "content": prompt}], "drop --chat / chat=True")
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]], fix: str = "send a plain prompt instead") -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], fix: str = "send a plain prompt instead",
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation (``role`` / ``content`` dicts) through the tokenizer's chat template, ending where
-    the assistant's reply starts. ``fix``: what the caller should do when the tokenizer has no template."""
+    the assistant's reply starts; ``tools``: the functions the template renders (OpenAI's shape). ``fix``: what the
+    caller should do when the tokenizer has no template."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(f"this model's tokenizer has no chat template; {fix}")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from ssd_trt.batching.engine import LLMEngine
 from ssd_trt.batching.policy import Learned
+from ssd_trt.decoding.grammar import Grammars
 from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.saguaro import overlap_summary
@@ -62,6 +63,7 @@ class Generator:
         self.vocab_size = self.manifest.model("target").config.vocab_size
         eos = self.manifest.model("target").config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)   # structured output
         # what the engine step's SSD load policy learns, kept across requests (each generate() runs its own step
         # loop): step times, measured once; per adaptive settings family, the measured slowdowns and yields
         self.learned = Learned()
@@ -89,6 +91,8 @@ class Generator:
     def check_prompts(self, prompt_ids: list[list[int]], params: SamplingParams, resolved: ResolvedMode
                       ) -> list[list[int]]:
         """Refuse prompts the engines could not run in this mode (RequestError); the prompts as int lists."""
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
         return check_prompts(self.limits, self.vocab_size, prompt_ids, params, resolved.settings)
 
     def check_request(self, prompt_ids: list[list[int]], params: SamplingParams, mode: "str | Settings"

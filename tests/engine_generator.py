@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ssd_trt.batching.policy import Learned
+from ssd_trt.decoding.grammar import Grammars
 from ssd_trt.engines.factory import free_slots
 from ssd_trt.engines.limits import EngineLimits
 from ssd_trt.recipe import DecodingDefaults
@@ -54,6 +55,7 @@ class GeneratorOverEngines(Generator):
         self.tokenizer = tokenizer or TokenIds()
         self.vocab_size = self.engine("target").spec.vocab_size
         self.learned = Learned()
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, eos_ids)   # needs a real (fast) tokenizer
 
     def decoding_defaults(self, params=None) -> DecodingDefaults:
         return self.defaults

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import jsonschema
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,6 +31,15 @@ openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 16
 MODES = ("ar", "sd", "ssd")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now.",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"type": "string"}}}}}
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                        "parameters": {"type": "object", "required": ["a", "b"],
+                                                       "properties": {"a": {"type": "integer"},
+                                                                      "b": {"type": "integer"}}}}}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}}}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 CHAT = "Write a haiku about autumn."
 SAMPLED = dict(temperature=0.8, top_p=0.95, seed=7)
@@ -559,9 +569,29 @@ BAD_REQUESTS = [   # (what, endpoint, body, the message's beginning, param)
                                            "min_p": 1.5}, "min_p must be a number in [0, 1]", "min_p"),
     ("logit_bias keyed by words", "completions", {"prompt": "Hi", "max_tokens": 4, "logit_bias": {"hello": 5}},
      "logit_bias must map token ids", "logit_bias"),
-    ("JSON output", "chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                                         "response_format": {"type": "json_object"}},
-     "response_format is not supported", "response_format"),
+    ("a JSON schema that is not one", "chat/completions",
+     {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "the json grammar is invalid: Invalid type: bogus", "response_format"),
+    ("an unknown response_format", "chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                        "max_tokens": 4, "response_format": {"type": "yaml"}},
+     "response_format.type must be text, json_object or json_schema", "response_format"),
+    ("a regex that does not compile", "completions",
+     {"prompt": "Hi", "max_tokens": 4, "structured_outputs": {"regex": "(["}}, "the regex grammar is invalid",
+     "structured_outputs"),
+    ("two constraints at once", "completions", {"prompt": "Hi", "max_tokens": 4, "guided_regex": "[0-9]+",
+                                                "structured_outputs": {"choice": ["a"]}},
+     "structured_outputs and guided_regex both constrain the output", "guided_regex"),
+    ("a tool_choice naming no tool", "chat/completions",
+     {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "tools": [WEATHER],
+      "tool_choice": {"type": "function", "function": {"name": "fly"}}},
+     "tool_choice names 'fly', which is not among the tools (get_weather)", "tool_choice"),
+    ("a tool without a name", "chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                   "max_tokens": 4, "tools": [{"type": "function"}]},
+     "tools[0] must be", "tools"),
+    ("functions (deprecated)", "chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                    "max_tokens": 4, "functions": [WEATHER["function"]]},
+     "functions is not supported by this server", "functions"),
     ("stop_token_ids not a list", "completions", {"prompt": "Hi", "max_tokens": 4, "stop_token_ids": 7},
      "stop_token_ids must be a list of token ids", "stop_token_ids"),
 ]
@@ -719,3 +749,108 @@ def test_the_readmes_curl_and_openai_snippets_work_as_written(server, tmp_path):
     script.write_text(readme_snippet("python", "from openai import OpenAI").replace("127.0.0.1:8000", address))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_structured_output_is_the_same_json_in_every_mode_and_validates(server, client, stream):
+    """response_format json_schema and json_object, vLLM's structured_outputs (regex, choice) and guided_json: greedy,
+    every mode gives the same text, and it matches what was asked for."""
+    model, messages = server.build_dir.name, [{"role": "user", "content": "Describe a person."}]
+    asks = {"json_schema": {"response_format": {"type": "json_schema",
+                                                "json_schema": {"name": "person", "schema": PERSON, "strict": True}}},
+            "json_object": {"response_format": {"type": "json_object"}},
+            "guided_json": {"extra_body": {"guided_json": PERSON}},
+            "regex": {"extra_body": {"structured_outputs": {"regex": "[A-Z][a-z]+ is [0-9]{2}"}}},
+            "choice": {"extra_body": {"structured_outputs": {"choice": ["red", "green", "blue"]}}}}
+    for name, ask in asks.items():
+        texts = {}
+        for mode in MODES:
+            extra = {**ask.get("extra_body", {}), "mode": mode}
+            kwargs = dict(model=model, messages=messages, max_tokens=48, temperature=0, extra_body=extra,
+                          **{k: v for k, v in ask.items() if k != "extra_body"})
+            if stream:
+                text, reasons, _, _ = streamed(client.chat.completions.create(stream=True, **kwargs))
+                finish = reasons[-1]
+            else:
+                out = client.chat.completions.create(**kwargs)
+                text, finish = out.choices[0].message.content, out.choices[0].finish_reason
+            assert finish == "stop", (name, mode, finish, text)
+            texts[mode] = text
+        assert len(set(texts.values())) == 1, (name, texts)
+        text = texts["ar"]
+        if name in ("json_schema", "guided_json"):
+            jsonschema.validate(json.loads(text), PERSON)
+        elif name == "json_object":
+            assert isinstance(json.loads(text), dict)
+        elif name == "regex":
+            assert re.fullmatch(r"[A-Z][a-z]+ is [0-9]{2}", text), text
+        else:
+            assert text in ("red", "green", "blue")
+
+
+@pytest.mark.slow
+def test_forced_tool_calls_parse_streamed_or_not_and_a_tool_result_goes_back_to_the_model(server, client):
+    model = server.build_dir.name
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice, name in (("required", None), ({"type": "function", "function": {"name": "add"}}, "add")):
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
+                                             tools=[WEATHER, ADD], tool_choice=choice)
+        message, finish = out.choices[0].message, out.choices[0].finish_reason
+        assert finish == "tool_calls" and message.tool_calls, out
+        call = message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_") and (name is None or call.function.name == name)
+        arguments = json.loads(call.function.arguments)
+        schema = (WEATHER if call.function.name == "get_weather" else ADD)["function"]["parameters"]
+        jsonschema.validate(arguments, schema)
+        # streamed: the same call, whole in one delta, then finish_reason tool_calls
+        calls, finish = [], None
+        for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
+                                                    tools=[WEATHER, ADD], tool_choice=choice, stream=True):
+            for part in chunk.choices:
+                calls += part.delta.tool_calls or []
+                finish = part.finish_reason or finish
+        assert finish == "tool_calls"
+        assert [(c.index, c.function.name, c.function.arguments) for c in calls] == \
+            [(i, c.function.name, c.function.arguments) for i, c in enumerate(message.tool_calls)]
+    # the call and its result go back: the assistant's tool_calls and a tool message are taken
+    follow = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}], tools=[WEATHER])
+    assert follow.choices[0].message.content
+    # tool_choice none: the model answers in text (its tools left out of the prompt)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                           tools=[WEATHER], tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_langchain_structured_output_and_tools_and_litellm_work_as_their_users_call_them(server, monkeypatch):
+    """LangChain's ``with_structured_output`` (json_schema, its default) and ``bind_tools`` (here forced: the embedded
+    135M model does not choose tools on its own; the real pair's own choice: research/serving/real_pair_clients.py),
+    and LiteLLM's ``openai/`` provider: chat, streaming and response_format."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")      # (no network here)
+    litellm = pytest.importorskip("litellm")
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+    model = server.build_dir.name
+    chat = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=model, temperature=0,
+                                       max_tokens=48, max_retries=0)
+    person = chat.with_structured_output(Person).invoke("Describe a person.")
+    assert isinstance(person, Person) and person.name
+    message = chat.bind_tools([WEATHER, ADD], tool_choice="required").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] in ("get_weather", "add")
+    assert isinstance(message.tool_calls[0]["args"], dict)
+
+    common = dict(model=f"openai/{model}", api_base=server.url + "/v1", api_key="unused", temperature=0,
+                  max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": CHAT}])
+    whole = litellm.completion(**common).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in litellm.completion(stream=True, **common)]
+    assert whole and "".join(parts) == whole
+    shaped = litellm.completion(**{**common, "max_tokens": 48, "response_format": Person})
+    assert Person.model_validate_json(shaped.choices[0].message.content).name

@@ -33,6 +33,7 @@ from ssd_trt.batching.policy import Learned
 from ssd_trt.batching.scheduler import Scheduler
 from ssd_trt.decoding.draft_lane import DraftLane, EngineSource
 from ssd_trt.decoding.feature_relay import FeatureLog, relay_features
+from ssd_trt.decoding.grammar import Grammars
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.prefill import prefill
 from ssd_trt.decoding.round import RoundContext, RoundReport, run_round
@@ -53,6 +54,7 @@ class LoadedBuild(Protocol):
     tokenizer: object
     eos_ids: frozenset[int]
     learned: Learned
+    grammars: Grammars
 
     def decoding_defaults(self, params: SamplingParams | None = None): ...
 
@@ -108,6 +110,8 @@ class LLMEngine:
         tokenizer = self.build.tokenizer
         seq = SequenceState.create(request_id, ids, params, resolved, self.build.eos_ids,
                                    lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), stream)
+        if params.grammar is not None:
+            seq.grammar = self.build.grammars.state(params.grammar)
         if self.context.target.has_features and resolved.name != "ar":   # its draft reads the target's features
             seq.features = FeatureLog()
         self.scheduler.add(seq)

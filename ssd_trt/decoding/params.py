@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ssd_trt.decoding.grammar import Grammar
 from ssd_trt.decoding.logprobs import MAX_TOP_LOGPROBS
 from ssd_trt.errors import RequestError
 
@@ -30,6 +31,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0        # vLLM's (CTRL's), over prompt and output; 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
+    grammar: Grammar | None = None         # what the output must match (decoding/grammar.py); None: anything
+    mask_draft: bool = True                # the draft is masked by the grammar too (False: the target only, which
+                                           # is as exact and accepts less: research/structured_acceptance.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -77,6 +81,9 @@ class SamplingParams:
                                       or not 0 <= value <= MAX_TOP_LOGPROBS):
                 raise RequestError(f"{name} must be an integer in 0..{MAX_TOP_LOGPROBS} (alternatives per token) "
                                    f"or None, got {value!r}")
+
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise RequestError(f"grammar must be a decoding.grammar.Grammar or None, got {self.grammar!r}")
 
     @property
     def greedy(self) -> bool:

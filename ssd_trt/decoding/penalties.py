@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from ssd_trt.decoding.params import SamplingParams
+from ssd_trt.decoding.speculative_tree import node_path
 
 
 def adjusts(params: SamplingParams) -> bool:
@@ -65,11 +66,4 @@ def chain_outputs(tokens: Sequence[int], drafted: Sequence[int]) -> list[list[in
 def tree_outputs(tokens: Sequence[int], nodes: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
     """The output history at each node of a token tree (node 0, the root, is the last committed token): a node's
     position follows its ancestors below the root and itself."""
-    out = []
-    for node in range(len(parents)):
-        path, at = [], node
-        while at > 0:
-            path.append(int(nodes[at]))
-            at = parents[at]
-        out.append(list(tokens) + path[::-1])
-    return out
+    return [list(tokens) + node_path(nodes, parents, node) for node in range(len(parents))]

@@ -35,6 +35,7 @@ from ssd_trt.decoding import saguaro
 from ssd_trt.decoding.draft_lane import DraftLane
 from ssd_trt.decoding.fan_out import FanOutPlanners
 from ssd_trt.decoding.feature_relay import relay_features, target_features
+from ssd_trt.decoding.grammar import apply_mask, draft_copies, masks_draft
 from ssd_trt.decoding.logprobs import token_logprobs
 from ssd_trt.decoding.penalties import adjusted, adjusts, chain_outputs, tree_outputs
 from ssd_trt.decoding.sampling import draw_rows, verify_chain
@@ -210,7 +211,8 @@ def propose_chains(lane: DraftLane, rows: list[SequenceState], plans: list[Round
         view = lane.rows(first, stop)
         start = view.lengths
         made = lane.run(draft_chains, view, pending_feeds(seqs), [p.settings.draft_len for p in plans[first:stop]],
-                        [s.params for s in seqs], [s.draft_rng for s in seqs], wanted)
+                        [s.params for s in seqs], [s.draft_rng for s in seqs], wanted,
+                        draft_copies(seqs) if masks_draft(seqs) else None)
         if made is None:
             return []
         tokens, dists = made
@@ -229,7 +231,7 @@ def propose_trees(lane: DraftLane, rows: list[SequenceState], plans: list[RoundP
         seqs = rows[first:stop]
         tree = TokenTree.of(plans[first].settings.tree_widths)
         trees = lane.run(checked_trees, lane.rows(first, stop), pending_feeds(seqs), tree, [s.params for s in seqs],
-                         [s.draft_rng for s in seqs], vocab)
+                         [s.draft_rng for s in seqs], vocab, draft_copies(seqs) if masks_draft(seqs) else None)
         if trees is None:
             return {}
         for r, seq in enumerate(seqs):
@@ -239,9 +241,10 @@ def propose_trees(lane: DraftLane, rows: list[SequenceState], plans: list[RoundP
     return proposals
 
 
-def checked_trees(view: Engine, pending: list[list[int]], tree: TokenTree, params, rngs, vocab: int) -> DraftedTrees:
+def checked_trees(view: Engine, pending: list[list[int]], tree: TokenTree, params, rngs, vocab: int,
+                  grammars=None) -> DraftedTrees:
     """(On the draft's thread.) ``draft_trees``, refusing token ids the target does not have."""
-    trees = draft_trees(view, pending, tree, params, rngs)
+    trees = draft_trees(view, pending, tree, params, rngs, grammars)
     validate_tokens(trees.nodes, trees.nodes.shape, vocab, "a tree")
     return trees
 
@@ -313,9 +316,10 @@ def verify(target: Engine, rows: list[SequenceState], proposals: list, alone: bo
 
 
 def target_choice_logits(seq: SequenceState, proposal, logits: np.ndarray) -> np.ndarray:
-    """The logits [W, V] one row's decisions are made on: its own, adjusted where the request asks for a logit bias
-    or penalties, each verified position by the output ahead of it on its path (``penalties.py``)."""
-    if not adjusts(seq.params):
+    """The logits [W, V] one row's decisions are made on: its own, masked by its grammar and adjusted where the request
+    asks for a logit bias or penalties, each verified position by the output ahead of it on its path
+    (``grammar.py``, ``penalties.py``)."""
+    if not adjusts(seq.params) and seq.grammar is None:
         return logits
     if proposal is None:
         outputs = [seq.tokens]
@@ -324,7 +328,12 @@ def target_choice_logits(seq: SequenceState, proposal, logits: np.ndarray) -> np
         outputs = tree_outputs(seq.tokens, trees.nodes[proposal.row], trees.tree.parents)
     else:
         outputs = chain_outputs(seq.tokens, [int(t) for t in proposal.tokens])
-    return adjusted(logits[:len(outputs)], seq.params, seq.prompt, outputs)
+    chosen = logits[:len(outputs)]
+    if seq.grammar is not None:
+        done = len(seq.tokens)
+        masks = seq.grammar.masks_along([output[done:] for output in outputs])
+        chosen = np.stack([apply_mask(row, mask) for row, mask in zip(chosen, masks)])
+    return adjusted(chosen, seq.params, seq.prompt, outputs) if adjusts(seq.params) else chosen
 
 
 def verify_inputs(rows: list[SequenceState], proposals: list, start: np.ndarray

@@ -54,6 +54,7 @@ from typing import Sequence
 import numpy as np
 
 from ssd_trt.decoding.draft_lane import DraftLane
+from ssd_trt.decoding.grammar import draft_copies, mask_rows
 from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks, ranked_forks
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, filter_logits, softmax
@@ -94,6 +95,7 @@ class DraftWorker:
         # snapshots: the engine step goes on changing the requests while the draft works
         self.pending: list[list[int]] = [list(s.draft_pending) for s in seqs]   # committed, not in the draft cache
         self.history: list[list[int]] = [s.history for s in seqs]               # every committed token (lookups)
+        self.grammars = draft_copies(seqs)      # each row's grammar, masking every draw along its branch's path
 
     def speculate(self, bonus: list[int], speculations: list[Speculation | None], shapes: list[list[int]]
                   ) -> SpeculationCache:
@@ -102,6 +104,8 @@ class DraftWorker:
         glue = [[bonus[r]] + ([0] * K if s is None else [int(t) for t in s.tokens]) for r, s in enumerate(speculations)]
         chain = all(sum(shape) == 1 for shape in shapes)       # one guess a row: step 3 is a chain (_chain_decode)
         glue_logits = self._glue_decode(glue, keep=chain)                                           # 1.
+        # under a grammar the bonus guesses are tokens it allows after s_1..s_j
+        glue_logits = mask_rows(glue_logits, self._masks([[g[1:j + 1] for j in range(K + 1)] for g in glue]))
         forks = [self._forks(r, glue_logits[r], glue[r], shapes[r]) for r in range(len(glue))]     # 2.
         if chain and all(len(row_forks) == 1 for row_forks in forks):
             tokens, dists = self._chain_decode(glue, forks, shapes)                                 # 3.
@@ -154,7 +158,9 @@ class DraftWorker:
             logits = self.draft.forward(ids, positions, mask, last_indices(batch, ids.shape[1], branches))
             self.draft.rollback(base)
             fan_next = np.array([shapes[row][step - 1] for row in range(batch)])[:, None]  # forks at that position
-            tokens[:, :, step], q = self.draw(logits, np.broadcast_to(fan_next, (batch, branches)))
+            masks = self._masks([[glue[row][1:j + 1] + [int(t) for t in tokens[row, n, :step]]
+                                  for n, (j, _) in enumerate(forks[row])] for row in range(batch)])
+            tokens[:, :, step], q = self.draw(mask_rows(logits, masks), np.broadcast_to(fan_next, (batch, branches)))
             if q is not None:
                 step_dists.append(q)
         return tokens, TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None
@@ -176,13 +182,19 @@ class DraftWorker:
         # draft_tokens' loop (speculative.py), kept in the tree decode's [B, branches = 1] layout
         logits = self.draft.forward(tokens[:, :, 0], self.draft.lengths[:, None].astype(np.int64))
         for step in range(1, K + 1):
-            tokens[:, :, step], q = self.draw(logits, fan_out[:, step - 1:step])
+            masks = self._masks([[glue[row][1:row_forks[0][0] + 1] + [int(t) for t in tokens[row, 0, :step]]]
+                                 for row, row_forks in enumerate(forks)])
+            tokens[:, :, step], q = self.draw(mask_rows(logits, masks), fan_out[:, step - 1:step])
             if q is not None:
                 step_dists.append(q)
             if step < K:
                 logits = self.draft.forward(tokens[:, :, step], self.draft.lengths[:, None].astype(np.int64))
         self.draft.rollback(base)
         return tokens, TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None
+
+    def _masks(self, paths: list[list[list[int]]]) -> list[list[np.ndarray | None] | None]:
+        """Per row, its grammar's masks at the end of each of its ``paths`` (None: a row without a grammar)."""
+        return [None if g is None else g.masks_along(row_paths) for g, row_paths in zip(self.grammars, paths)]
 
     def draw(self, logits: np.ndarray, fan_out: np.ndarray, active: list[bool] | None = None
              ) -> tuple[np.ndarray, TokenDistribution | None]:
@@ -199,8 +211,15 @@ class DraftWorker:
         K, batch = self.settings.draft_len, len(bonus)
         prefix = self.draft.lengths + np.array([len(p) for p in self.pending])     # without the bonus
         fan_out = np.array([shapes[row][:K] for row in range(batch)])               # [B, K]: F at each position
-        tokens, dists = draft_tokens(self.draft, [p + [b] for p, b in zip(self.pending, bonus)], K,
-                                     lambda logits, i: self.draw(logits, fan_out[:, i], wanted))
+        drawn: list[np.ndarray] = []
+
+        def draw(logits: np.ndarray, i: int):
+            masks = self._masks([[[int(t) for t in drawn[-1][r]]] if drawn else [[]] for r in range(batch)])
+            made = self.draw(mask_rows(logits, [None if m is None else m[0] for m in masks]), fan_out[:, i], wanted)
+            drawn.append(np.concatenate([drawn[-1], made[0][:, None]], axis=1) if drawn else made[0][:, None])
+            return made
+        # the bonus token is committed: the grammar copies stand after it
+        tokens, dists = draft_tokens(self.draft, [p + [b] for p, b in zip(self.pending, bonus)], K, draw)
         validate_tokens(tokens, (batch, K), self.draft.spec.vocab_size, "a just-in-time speculation")
         self.pending = [[] for _ in bonus]
         self.draft.rollback(prefix)   # drop bonus + drafted tokens: the next glue decode re-reads them

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from ssd_trt.decoding.feature_relay import FeatureLog
+from ssd_trt.decoding.grammar import GrammarState
 from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution
@@ -74,6 +75,7 @@ class SequenceState:
     speculation: Speculation | None = None    # SSD: the next round's tokens, ready
     features: FeatureLog | None = None        # the target's features of the verified tokens (for an EAGLE-3 draft)
     stats: RoundStats | None = None
+    grammar: GrammarState | None = None       # the request's grammar, advanced by what it commits (params.grammar)
     logprobs: list[TokenLogprob] = field(default_factory=list)      # of ``tokens``, when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # of prompt[1:], when params.prompt_logprobs
     added_at: float = field(default_factory=time.perf_counter)
@@ -110,6 +112,10 @@ class SequenceState:
         for token in new_tokens:
             kept.append(int(token))
             reason = self.stop_rule.token_ends(int(token))
+            if reason is None and self.grammar is not None:
+                self.grammar.advance([int(token)])
+                if self.grammar.finished:         # complete: it allows only EOS now, which adds nothing
+                    reason = "stop"
             if reason is None and self.params.stop:
                 text = self.stop_rule.decode(self.tokens + kept)
                 at = self.stop_rule.stop_string_at(text, self.checked_chars)

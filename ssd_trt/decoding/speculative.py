@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ssd_trt.decoding.grammar import DraftGrammar, mask_rows
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution, draw_rows
 from ssd_trt.engines.feeding import feed_ragged
@@ -43,15 +44,22 @@ def draft_tokens(draft, pending: list[list[int]], num_tokens: int, draw: Draw
 
 
 def draft_chains(draft, pending: list[list[int]], draft_lens: Sequence[int], params: Sequence[SamplingParams],
-                 rngs: Sequence[np.random.Generator], wanted: Sequence[bool]) -> tuple[np.ndarray, list | None]:
+                 rngs: Sequence[np.random.Generator], wanted: Sequence[bool],
+                 grammars: Sequence[DraftGrammar | None] | None = None) -> tuple[np.ndarray, list | None]:
     """SD's proposals for the rows of a draft view: feed each row's pending tokens (its bonus token last), then draft
     max(K) tokens, row r's first ``draft_lens[r]`` drawn by its own parameters and stream (the rest, and every token
-    of a row not ``wanted``, the argmax: never drawn, never verified). Tokens [B, K_max] and, when any wanted row
-    samples, every row's K_max distributions (a greedy row's: point masses)."""
+    of a row not ``wanted``, the argmax: never drawn, never verified), masked by the row's grammar along its chain
+    (``grammars``: the draft's copies, ``grammar.py``). Tokens [B, K_max] and, when any wanted row samples, every
+    row's K_max distributions (a greedy row's: point masses)."""
     sampled = any(not p.greedy for p, w in zip(params, wanted) if w)
+    grammars = grammars or [None] * len(pending)
+    last: list[np.ndarray] = []          # the tokens drawn at the step before
 
     def draw(logits: np.ndarray, i: int):
+        logits = mask_rows(logits, [None if g is None else g.mask_after(int(last[0][r]) if last else None)
+                                    for r, g in enumerate(grammars)])
         tokens, q = draw_rows(logits, params, rngs, [w and i < k for w, k in zip(wanted, draft_lens)])
+        last[:] = [tokens]
         return tokens, (TokenDistribution.point_mass(tokens) if q is None and sampled else q)
     most = max(k for k, w in zip(draft_lens, wanted) if w)
     tokens, dists = draft_tokens(draft, pending, most, draw)

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ssd_trt.decoding.grammar import DraftGrammar, apply_mask
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution, filter_logits, next_tokens, top_tokens, verify_tree_children
 from ssd_trt.engines.base import Engine
@@ -29,6 +30,15 @@ def tree_shape(widths: list[int]) -> tuple[list[int], list[int]]:
                 next_frontier.append(len(parents) - 1)
         frontier = next_frontier
     return parents, depths
+
+
+def node_path(nodes: Sequence[int], parents: Sequence[int], node: int) -> list[int]:
+    """The tokens of ``node``'s ancestors below the root (node 0), then its own: the path verification walks to it."""
+    path = []
+    while node > 0:
+        path.append(int(nodes[node]))
+        node = parents[node]
+    return path[::-1]
 
 
 def tree_nodes(widths: list[int]) -> int:
@@ -54,6 +64,10 @@ class TokenTree:
     def size(self) -> int:
         return len(self.parents)
 
+    def path(self, nodes: Sequence[int], node: int) -> list[int]:
+        """The tokens from below the root down to ``node`` (itself included) of a tree whose tokens are ``nodes``."""
+        return node_path(nodes, self.parents, node)
+
     def children(self, node: int) -> list[int]:
         return [m for m in range(self.size) if self.parents[m] == node]
 
@@ -68,11 +82,13 @@ class DraftedTrees:
 
 
 def draft_trees(draft: Engine, pending: list[list[int]], tree: TokenTree, params: Sequence[SamplingParams],
-                rngs: Sequence[np.random.Generator]) -> DraftedTrees:
+                rngs: Sequence[np.random.Generator], grammars: Sequence[DraftGrammar | None] | None = None
+                ) -> DraftedTrees:
     """Feed each row's pending tokens (its bonus token last: the root), then grow the tree level by level, every
     row by its own parameters and random stream: greedy rows take the draft's top w_d tokens, sampled rows
-    draw w_d i.i.d. from q (the multi-draft rule needs i.i.d. children). The draft's cache keeps the pending
-    tokens only (the tree is rolled back)."""
+    draw w_d i.i.d. from q (the multi-draft rule needs i.i.d. children), masked by the row's grammar after the
+    parent's path (``grammars``: the draft's copies, ``grammar.py``). The draft's cache keeps the pending tokens only
+    (the tree is rolled back)."""
     batch = len(pending)
     level_logits = {0: feed_ragged(draft, pending)}      # node -> the draft's logits [B, V] after it
     base = draft.lengths
@@ -82,9 +98,13 @@ def draft_trees(draft: Engine, pending: list[list[int]], tree: TokenTree, params
     for depth in range(1, len(tree.widths) + 1):
         level = [n for n in range(tree.size) if tree.depths[n] == depth]
         for row in range(batch):
-            for parent in sorted({tree.parents[n] for n in level}):
+            parents = sorted({tree.parents[n] for n in level})
+            grammar = grammars[row] if grammars else None
+            masks = grammar.masks_along([tree.path(nodes[row], p) for p in parents]) if grammar else \
+                [None] * len(parents)
+            for parent, mask in zip(parents, masks):
                 children = [n for n in level if tree.parents[n] == parent]
-                logits = level_logits[parent][row]
+                logits = apply_mask(level_logits[parent][row], mask)
                 if params[row].greedy:
                     nodes[row, children] = top_tokens(logits, len(children))
                 else:

@@ -64,6 +64,15 @@ FIELDS: tuple[Field, ...] = (
     Field("frequency_penalty", SAMPLING),
     Field("repetition_penalty", SAMPLING),
     Field("logit_bias", SAMPLING),
+    Field("response_format", SAMPLING),        # structured output (serve/structured.py): OpenAI's
+    Field("structured_outputs", SAMPLING, BOTH, "structured_outputs", "TYPE_STRING"),   # vLLM's (Triton: as JSON)
+    Field("guided_json", SAMPLING),            # vLLM's older names for the same
+    Field("guided_regex", SAMPLING),
+    Field("guided_choice", SAMPLING),
+    Field("guided_grammar", SAMPLING),
+    Field("tools", FRONTEND, (CHAT,)),         # tool calls (serve/openai/tools.py)
+    Field("tool_choice", FRONTEND, (CHAT,)),
+    Field("parallel_tool_calls", FRONTEND, (CHAT,)),
     Field("n", FRONTEND),
     Field("stream_options", FRONTEND),
     # advisory (OpenAI: for the provider's records, abuse detection or caching; the output does not depend on them)
@@ -76,10 +85,6 @@ FIELDS: tuple[Field, ...] = (
     # not done by this server: refused unless neutral
     Field("suffix", UNSUPPORTED, (COMPLETIONS,), neutral=(None, "")),
     Field("best_of", UNSUPPORTED, (COMPLETIONS,), neutral=(None, 1)),
-    Field("response_format", UNSUPPORTED, (CHAT,), neutral=(None, {"type": "text"})),
-    Field("tools", UNSUPPORTED, (CHAT,), neutral=(None, [])),
-    Field("tool_choice", UNSUPPORTED, (CHAT,), neutral=(None, "none")),
-    Field("parallel_tool_calls", UNSUPPORTED, (CHAT,), neutral=(None, True, False)),
     Field("functions", UNSUPPORTED, (CHAT,), neutral=(None, [])),
     Field("function_call", UNSUPPORTED, (CHAT,), neutral=(None, "none")),
     Field("modalities", UNSUPPORTED, (CHAT,), neutral=(None, ["text"])),

@@ -59,7 +59,7 @@ def from_exception(exc: BaseException) -> ApiError:
                         {"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, (RequestError, ValueError, TypeError, OverflowError)):
         # the runtime names its own parameter max_new_tokens; here it is the request's max_tokens
-        return bad_request(str(exc).replace("max_new_tokens", "max_tokens"))
+        return bad_request(str(exc).replace("max_new_tokens", "max_tokens"), getattr(exc, "field", None))
     if isinstance(exc, SsdTrtError):
         return ApiError(500, str(exc), "server_error", code="generation_failed")
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")

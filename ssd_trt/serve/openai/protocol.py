@@ -22,18 +22,23 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ssd_trt.decoding.grammar import Grammar
 from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.settings import DEFAULT_MODE, Settings, parse_mode
+from ssd_trt.errors import RequestError
 from ssd_trt.requests import encode_chat
 from ssd_trt.serve.core import Final, ServingCore, Submission
 from ssd_trt.serve.fields import BY_ENDPOINT, BY_NAME, CHAT, COMPLETIONS, UNSUPPORTED, is_neutral
+from ssd_trt.serve.structured import GUIDED, grammar_of
 from ssd_trt.serve.openai.errors import ApiError, bad_request
 from ssd_trt.serve.openai.logprobs import Decode, chat_logprobs, completion_logprobs, merge
+from ssd_trt.serve.openai.tools import CallStream, ToolUse, hermes_text, parse_calls, template_message, tool_use
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
+TOOL_CALLS = "tool_calls"                 # the finish reason of a choice that called tools
 DONE = "data: [DONE]\n\n"                 # the event that ends every stream
 
 
@@ -47,6 +52,7 @@ class Parsed:
     chat: bool
     echo: bool = False           # completions: the prompt (and its logprobs) comes first in each choice
     prompt_only: bool = False    # echo with max_tokens 0: the prompt's logprobs alone (one token is made, not shown)
+    tools: ToolUse | None = None  # chat: the functions the model may call; its calls are parsed out of its text
 
     @property
     def stream(self) -> bool:
@@ -164,13 +170,13 @@ def _content(message: dict, index: int) -> str:
                                   "messages")
             texts.append(part["text"])
         return "".join(texts)
-    if content is None and message.get("role") == "assistant":
+    if content is None and message.get("role") == "assistant" or content is None and message.get("role") == "tool":
         return ""
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts, got {content!r}",
                       "messages")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
@@ -184,24 +190,48 @@ def _messages(body: dict) -> list[dict[str, str]]:
             raise bad_request(f"messages[{index}].role {role!r} is not supported; use one of {', '.join(ROLES)}",
                               "messages")
         # chat templates know system, not OpenAI's newer name for it
-        out.append({"role": "system" if role == "developer" else role, "content": _content(message, index)})
-    if not any(m["content"].strip() for m in out):
+        out.append({"role": "system" if role == "developer" else role, "content": _content(message, index),
+                    **template_message(message, index)})
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise bad_request("messages hold no text; give at least one message with content", "messages")
     return out
 
 
-def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The conversation through the model's chat template. A template that refuses it (``raise_exception`` in the
-    template, e.g. roles that do not alternate) is the request's fault: a 400 naming the first message at fault (the
-    first whose conversation up to it the template refuses) and the template's own words."""
+def _chat_ids(tokenizer, messages: list[dict], tools: ToolUse | None = None) -> list[int]:
+    """The conversation through the model's chat template (with the request's tools: ``tools.py``). A template that
+    refuses it (``raise_exception`` in the template, e.g. roles that do not alternate) is the request's fault: a 400
+    naming the first message at fault (the first whose conversation up to it the template refuses) and the
+    template's own words."""
     from jinja2.exceptions import TemplateError
+    template = tokenizer.chat_template or ""
+    if tools is not None and "tools" not in template:
+        messages = with_tool_prompt(messages, tools)
+    if "tool_calls" not in template:          # (a template that knows no calls: Hermes' text, tools.py)
+        messages = [plain_tool_message(m) for m in messages]
     try:
-        return encode_chat(tokenizer, messages, "use /v1/completions with a plain prompt")
+        return encode_chat(tokenizer, messages, "use /v1/completions with a plain prompt",
+                           tools.template_tools() if tools is not None and "tools" in template else None)
     except TemplateError as exc:
         at = next((i for i in range(len(messages)) if _refused(tokenizer, messages[:i + 1])), None)
         where = "messages" if at is None else f"messages[{at}] (role {messages[at]['role']!r})"
         raise bad_request(f"{where}: the model's chat template refuses this conversation: {exc}", "messages") \
             from None
+
+
+def with_tool_prompt(messages: list[dict], tools: ToolUse) -> list[dict]:
+    """The tools in the system message, for a template that does not render them."""
+    if messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + tools.system_prompt()}, *messages[1:]]
+    return [{"role": "system", "content": tools.system_prompt()}, *messages]
+
+
+def plain_tool_message(message: dict) -> dict:
+    """A message with tool calls or a tool's result as plain text (Hermes' tags)."""
+    if message.get("tool_calls"):
+        return {"role": message["role"], "content": message["content"] + hermes_text(message)}
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    return message
 
 
 def _refused(tokenizer, messages: list[dict[str, str]]) -> bool:
@@ -262,7 +292,9 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
     if prompt_only:
         max_tokens = 1                          # (made, not shown: the engine always makes one)
     settings = _settings(body)
-    prompts = [_chat_ids(core.generator.tokenizer, _messages(body))] if chat else _prompts(body, core)
+    tools = tool_use(body) if chat else None
+    grammar = _grammar(body, tools, core)
+    prompts = [_chat_ids(core.generator.tokenizer, _messages(body), tools)] if chat else _prompts(body, core)
     n = _integer(body, "n")
     if n is not None and n < 1:
         raise bad_request(f"n must be >= 1 (choices per prompt), got {n}", "n")
@@ -273,7 +305,7 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
                             top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
                             seed=_integer(body, "seed"), stop_on_eos=not _flag(body, "ignore_eos"), stop=_stop(body),
                             stop_token_ids=_stop_token_ids(body), logprobs=logprobs,
-                            prompt_logprobs=logprobs if echo else None, **_adjustments(body))
+                            prompt_logprobs=logprobs if echo else None, grammar=grammar, **_adjustments(body))
     submissions = []
     for ids in prompts:
         tokens = max_tokens if max_tokens is not None else \
@@ -283,7 +315,25 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
             # each choice its own seed stream: choice i of a seeded request draws as a request seeded seed + i
             seed = None if params.seed is None else params.seed + len(submissions)
             submissions.append(replace(checked, params=replace(checked.params, seed=seed)))
-    return Parsed(tuple(submissions), n, include_usage, chat, echo, prompt_only)
+    return Parsed(tuple(submissions), n, include_usage, chat, echo, prompt_only, tools)
+
+
+def _grammar(body: dict, tools: ToolUse | None, core: ServingCore) -> Grammar | None:
+    """What the output must match (``serve/structured.py``; a forced tool call's grammar, ``tools.py``), checked
+    against the build's tokenizer now: a bad one is a 400 naming its field."""
+    grammar = grammar_of(body)
+    field = next((name for name in ("response_format", "structured_outputs", *GUIDED) if body.get(name) is not None),
+                 None)
+    if tools is not None and tools.forced:
+        if grammar is not None:
+            raise bad_request(f"{field} and tool_choice {tools.choice!r} both constrain the output; send one", field)
+        grammar, field = tools.grammar(), "tools"
+    if grammar is not None:
+        try:
+            core.generator.grammars.check(grammar)
+        except RequestError as exc:
+            raise bad_request(str(exc), field) from None
+    return grammar
 
 
 def _adjustments(body: dict) -> dict[str, Any]:
@@ -367,8 +417,14 @@ def response(parsed: Parsed, request_id: str, model: str, finals: list[Final], d
         prompt_ids = parsed.submissions[index].prompt_ids
         text = decode(prompt_ids) + final.text if parsed.echo else final.text
         body = {"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text}
+        reason = FINISH_REASON[final.finish_reason]
+        if parsed.tools is not None:
+            found = parse_calls(text)
+            if found.calls:
+                body["message"] = {"role": "assistant", "content": found.content, "tool_calls": found.calls}
+                reason = TOOL_CALLS if reason == "stop" else reason
         choices.append({"index": index, **body, "logprobs": choice_logprobs(parsed, final, prompt_ids, decode),
-                        "finish_reason": FINISH_REASON[final.finish_reason]})
+                        "finish_reason": reason})
     stats = [spec_stats(final) for final in finals]
     return {"id": request_id, "object": "chat.completion" if parsed.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage(finals, parsed.n),
@@ -386,6 +442,8 @@ class Chunks:
         self.created = int(time.time())
         self.started: set[int] = set()          # choices whose first delta was sent (a chat's names the role)
         self.offsets: dict[int, int] = {}       # completions: each choice's text sent so far (its logprobs' offsets)
+        # chat with tools: each choice's text split into content and calls as it arrives
+        self.calls = {i: CallStream() for i in range(len(parsed.submissions))} if parsed.tools is not None else {}
 
     def _chunk(self, choices: list[dict], **extra: Any) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
@@ -405,22 +463,31 @@ class Chunks:
         return completion_logprobs(entries, [e.token for e in entries], self.decode, offset)
 
     def _choice(self, index: int, text: str, finish_reason: str | None,
-                entries: list[TokenLogprob] | None) -> dict:
+                entries: list[TokenLogprob] | None, calls: list[dict] | None = None) -> dict:
         logprobs = self._logprobs(index, text, entries)
         if not self.parsed.chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         delta = {"content": text} if text or index not in self.started else {}
+        if calls:
+            delta["tool_calls"] = calls
         if index not in self.started:
             delta = {"role": "assistant", **delta}
         self.started.add(index)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def text(self, index: int, text: str, entries: list[TokenLogprob] | None = None) -> str:
-        return self._chunk([self._choice(index, text, None, entries)]) if text or entries else ""
+        calls = None
+        if index in self.calls:
+            text, calls = self.calls[index].feed(text)
+        return self._chunk([self._choice(index, text, None, entries, calls)]) if text or entries or calls else ""
 
     def final(self, index: int, final: Final) -> str:
-        return self._chunk([self._choice(index, final.text, FINISH_REASON[final.finish_reason], final.logprobs)],
-                           ssd_trt=spec_stats(final))
+        text, calls, reason = final.text, None, FINISH_REASON[final.finish_reason]
+        if index in self.calls:
+            text, calls = self.calls[index].end(text)
+            if self.calls[index].calls and reason == "stop":
+                reason = TOOL_CALLS
+        return self._chunk([self._choice(index, text, reason, final.logprobs, calls)], ssd_trt=spec_stats(final))
 
     def end(self, finals: list[Final]) -> str:
         """After every choice's final chunk: the usage chunk (when asked for), then ``[DONE]``."""

@@ -27,6 +27,7 @@ from ssd_trt.errors import RequestError, SsdTrtError
 from ssd_trt.runtime import DEFAULT_MODE, Generator, RuntimeOptions
 from ssd_trt.serve.core import Final, RequestCancelled, ServingCore, Submission, warm_up
 from ssd_trt.serve.fields import TRITON_INPUTS
+from ssd_trt.serve.structured import from_triton
 from ssd_trt.serve.triton.metrics import TritonMetrics
 
 UNLOAD_DRAIN_S = 30.0   # at unload, requests in flight get this long to finish before they end with an error
@@ -100,7 +101,9 @@ def parse_request(request, pb_utils, core: ServingCore, streaming_model: bool) -
         top_p=1.0 if values["top_p"] is None else float(values["top_p"]),
         top_k=0 if values["top_k"] is None else int(values["top_k"]),
         seed=None if values["random_seed"] is None else int(values["random_seed"]),
-        stop_on_eos=not bool(values["ignore_eos"]), stop=_stop_words(request, pb_utils))
+        stop_on_eos=not bool(values["ignore_eos"]), stop=_stop_words(request, pb_utils),
+        grammar=None if values["structured_outputs"] is None else
+        from_triton(_text(values["structured_outputs"], "structured_outputs")))
     ids = core.generator.encode(prompt, chat=bool(values["chat"]) if values["chat"] is not None else False)
     return core.check(ids, params, mode, stream)
 

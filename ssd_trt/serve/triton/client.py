@@ -46,7 +46,8 @@ class Result:
 def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     seed: int | None = None, mode: str = "ssd", stream: bool = False, ignore_eos: bool = False,
                     draft_len: int | None = None, fan_out_budget: int | None = None, backup: str | None = None,
-                    tree_widths: list[int] | None = None, chat: bool = False) -> list[tuple[str, str, Any]]:
+                    tree_widths: list[int] | None = None, chat: bool = False,
+                    structured_outputs: dict | None = None) -> list[tuple[str, str, Any]]:
     """(name, Triton dtype, value) for one request, TensorRT-LLM backend names for what they share. The decoding
     options (K for sd / ssd, SSD's fan-out budget and backup, SD's token tree) are sent only when set: unset,
     the build's defaults apply (and an ssd request's load policy adapts them)."""
@@ -59,6 +60,8 @@ def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_
         tensors.append(("ignore_eos", "BOOL", True))
     if chat:
         tensors.append(("chat", "BOOL", True))
+    if structured_outputs is not None:       # vLLM's object (serve/structured.py), as JSON text
+        tensors.append(("structured_outputs", "BYTES", json.dumps(structured_outputs)))
     for name, dtype, value in (("draft_len", "INT32", draft_len), ("fan_out_budget", "INT32", fan_out_budget),
                                ("backup", "BYTES", backup),
                                ("tree_widths", "INT32", None if tree_widths is None else list(tree_widths))):
