@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,11 +19,13 @@ import pytest
 
 import ssd_trt
 from ssd_trt.detokenize import Detokenizer
+from ssd_trt.serve.structured import from_structured_outputs
 from ssd_trt.serve.triton.repository import ExportOptions, export_repository
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 16
 MODES = ("ar", "sd", "ssd")
+STRUCTURED = {"regex": " (Paris|Lyon|Nice)[.,] [A-Z][a-z]{1,8}"}   # vLLM's structured_outputs object
 EXACT_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CONCURRENT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 CONCURRENCY = 32
@@ -121,7 +124,7 @@ def test_export_writes_two_models_with_trtllm_tensor_names(smollm2_build, tmp_pa
                  "accepted_tokens", "cache_hit_rate"):
         assert f'name: "{name}"' in stream
     assert str(smollm2_build.resolve()) in stream and (repo / "ssd_trt" / "1" / "model.py").is_file()
-    with pytest.raises(ssd_trt.errors.SsdTrtError, match="max-batch-rows"):
+    with pytest.raises(ssd_trt.errors.SsdTrtError, match="max_batch_rows must be in 0..16"):
         export_repository(smollm2_build, tmp_path / "bad", ExportOptions(max_batch_rows=99))
     # no CUDA device here, so the default (auto) serves on CPU; a GPU runtime is asked for explicitly
     assert "kind: KIND_CPU" in stream
@@ -168,6 +171,8 @@ def references(smollm2_build) -> dict[tuple[str, str], list[int]]:
                                         top_p=float(np.float32(spec["top_p"])), seed=spec["seed"])
         refs[("mixed", spec["prompt"], spec["max_tokens"])] = gen.generate(spec["prompt"], params,
                                                                             mode=spec["mode"])[0]
+    shaped = ssd_trt.SamplingParams(max_new_tokens=MAX_TOKENS, grammar=from_structured_outputs(STRUCTURED))
+    refs[("structured", EXACT_PROMPTS[0])] = gen.generate(EXACT_PROMPTS[0], shaped, mode="ar")[0]
     return {key: (r.text, r.token_ids) for key, r in refs.items()}
 
 
@@ -238,6 +243,18 @@ def test_per_request_decoding_options_over_triton_equal_generate_with_them(serve
         assert (r["text"], r["token_ids"]) == references[(name, EXACT_PROMPTS[1])], name
         assert r["token_ids"] == references[("ar", EXACT_PROMPTS[1])][1], name
         assert r["stats"]["acceptance_rate"] is not None and r["stats"]["accepted_tokens"] > 0, (name, r["stats"])
+
+
+@pytest.mark.slow
+def test_structured_outputs_over_triton_is_the_grammars_output_in_every_mode(server, references):
+    text, ids = references[("structured", EXACT_PROMPTS[0])]
+    assert re.fullmatch(STRUCTURED["regex"], text), text          # (the grammar complete: it stopped there)
+    for mode in MODES:
+        [r] = client(server, "raw", json.dumps([["text_input", "BYTES", EXACT_PROMPTS[0]],
+                                                ["max_tokens", "INT32", MAX_TOKENS], ["mode", "BYTES", mode],
+                                                ["structured_outputs", "BYTES", json.dumps(STRUCTURED)]]),
+                     "--protocol", "http")
+        assert r["error"] is None and (r["text"], r["token_ids"]) == (text, ids), (mode, r)
 
 
 @pytest.mark.slow
@@ -365,6 +382,12 @@ BAD_REQUESTS = [
                 ["draft_len", "INT32", 0]], "draft_len (K) must be an integer in 1.."),
     ("unknown backup", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4], ["backup", "BYTES", "oracle"]],
      "backup must be auto, jit or ngram"),
+    ("a regex that does not compile", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4],
+                                       ["structured_outputs", "BYTES", '{"regex": "(["}']],
+     "the regex grammar is invalid"),
+    ("structured_outputs not JSON", [["text_input", "BYTES", "Hello"], ["max_tokens", "INT32", 4],
+                                     ["structured_outputs", "BYTES", "{regex"]],
+     "input 'structured_outputs' is not valid JSON"),
 ]
 
 

@@ -1,10 +1,10 @@
 """lm-evaluation-harness against the OpenAI server, beside lm-eval's own transformers backend on the same weights.
 
-    .venv/bin/python research/serving/lm_eval_pair.py build/smollm2-135m-fp32 --lm-eval-venv /tmp/lmeval/venv \
-        --out docs/bench/lm_eval.json
+    .venv/bin/python research/serving/lm_eval_pair.py build/smollm2-135m-fp32 --out docs/bench/lm_eval.json
 
-lm-eval lives in its own venv (it brings transformers 5 and datasets): ``python3.11 -m venv /tmp/lmeval/venv &&
-/tmp/lmeval/venv/bin/pip install torch==2.13.0 && /tmp/lmeval/venv/bin/pip install "lm-eval[hf,api]==0.4.13" gguf``.
+lm-eval 0.4.13 (``lm-eval[api]``) is in the test extras, beside this project: by default the script runs the lm-eval of
+its own virtualenv (``--lm-eval-venv`` another). CI runs it (``research/tests/test_lm_eval_pair.py``) and checks the
+documented tolerance.
 Two local tasks (``lm_eval_tasks/``, no download): ``ssd_mc``, 10 multiple-choice questions scored by loglikelihood,
 and ``ssd_gen``, 4 greedy generate-until prompts. Runs, all offline:
 
@@ -121,27 +121,22 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("build_dir", type=Path)
-    parser.add_argument("--lm-eval-venv", type=Path, default=Path("/tmp/lmeval/venv"))
-    parser.add_argument("--out", type=Path, default=Path("docs/bench/lm_eval.json"))
-    args = parser.parse_args(argv)
-    build = args.build_dir.resolve()
+def run_pair(build: Path, venv: Path) -> dict[str, Any]:
+    """The three runs (``RUNS``) on ``build`` with the lm-eval of ``venv`` and their comparison."""
+    build = build.resolve()
     manifest = read_manifest(build)
     gguf = resolve_source(manifest.recipe.target.source).path
     tokenizer = build / "tokenizer"
     result: dict[str, Any] = {
-        "command": "python research/serving/lm_eval_pair.py " + " ".join(argv or sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "build": str(args.build_dir), "runs": {}}
+        "build": build.name, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tasks = task_dir(root)
         outs = {run: root / run for run in RUNS}
         hf_args = f"pretrained={gguf.parent},gguf_file={gguf.name},tokenizer={tokenizer},dtype=float32"
-        commands = {"hf": lm_eval(args.lm_eval_venv, "hf", hf_args, tasks, outs["hf"], ["--device", "cpu"])}
+        commands = {"hf": lm_eval(venv, "hf", hf_args, tasks, outs["hf"], ["--device", "cpu"])}
         server = OpenAIServer(build, free_port(), ["--no-access-log"], log_file=root / "server.log")
         try:
             server.start().wait_ready(timeout=900)
@@ -149,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"tokenizer={tokenizer},tokenized_requests=True,num_concurrent=1,max_retries=1")
             for mode in ("ar", "ssd"):
                 run = f"server-{mode}"
-                commands[run] = lm_eval(args.lm_eval_venv, "local-completions", lc_args, tasks, outs[run],
+                commands[run] = lm_eval(venv, "local-completions", lc_args, tasks, outs[run],
                                         ["--gen_kwargs", f"mode={mode}"])
         finally:
             server.stop()
@@ -165,6 +160,18 @@ def main(argv: list[str] | None = None) -> int:
             for run in RUNS[1:]}
         result["comparison"]["ar_equals_ssd"] = result["runs"]["server-ar"]["answers"] == \
             result["runs"]["server-ssd"]["answers"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("build_dir", type=Path)
+    parser.add_argument("--lm-eval-venv", type=Path, default=Path(sys.prefix),
+                        help="the virtualenv whose lm-eval runs (default: this one; the test extras install it)")
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/lm_eval.json"))
+    args = parser.parse_args(argv)
+    result = {"command": "python research/serving/lm_eval_pair.py " + " ".join(argv or sys.argv[1:]),
+              **run_pair(args.build_dir, args.lm_eval_venv)}
     write_artifact(result, args.out, plot, table)
     return 0 if result["comparison"]["ar_equals_ssd"] else 1
 

@@ -219,11 +219,10 @@ def apply_mask(logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     """``logits`` [..., V'] with every token the mask forbids at -inf (tokens past the mask's vocabulary too)."""
     if mask is None:
         return logits
-    out = np.array(logits, dtype=np.float32)
-    width = min(out.shape[-1], mask.shape[0])
-    out[..., :width][..., ~mask[:width]] = -np.inf
-    out[..., width:] = -np.inf
-    return out
+    width = min(logits.shape[-1], mask.shape[0])
+    allowed = mask[:width] if width == logits.shape[-1] else np.concatenate(
+        [mask[:width], np.zeros(logits.shape[-1] - width, dtype=bool)])
+    return np.where(allowed, np.asarray(logits, dtype=np.float32), np.float32(-np.inf))
 
 
 def draft_copies(seqs) -> list[DraftGrammar | None]:

@@ -33,7 +33,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
     grammar: Grammar | None = None         # what the output must match (decoding/grammar.py); None: anything
     mask_draft: bool = True                # the draft is masked by the grammar too (False: the target only, which
-                                           # is as exact and accepts less: research/structured_acceptance.py)
+                                           # is as exact and accepts less: research/serving/structured_acceptance.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \

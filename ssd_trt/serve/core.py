@@ -206,6 +206,7 @@ class ServingCore:
         fault injector around it)."""
         self.generator = generator
         self.log = log
+        self.max_running = max_running
         self.llm = LLMEngine(generator, max_running=max_running, max_waiting=max_waiting, calibrate=calibrate)
         if wrap_engine is not None:
             self.llm = wrap_engine(self.llm)

@@ -92,6 +92,13 @@ FIELDS: tuple[Field, ...] = (
 BY_NAME = {f.name: f for f in FIELDS}
 NAMES = tuple(BY_NAME)
 TRITON_INPUTS = tuple(f for f in FIELDS if f.triton is not None)
+BY_TRITON = {f.triton: f for f in TRITON_INPUTS}
+
+
+def client_dtype(triton_name: str) -> str:
+    """The data type a Triton client sends an input as (tritonclient's names: BYTES for TYPE_STRING)."""
+    wire = BY_TRITON[triton_name].wire.removeprefix("TYPE_")
+    return "BYTES" if wire == "STRING" else wire
 
 
 # the fields a body sent to each endpoint may hold, by name

@@ -7,8 +7,10 @@ alternatives; chat: true, with ``top_logprobs``), ``echo`` (completions; with ``
 logprobs alone), ``stream``, ``stream_options.include_usage``; as extra body fields (the Triton inputs of the same
 names): ``mode`` (ar | sd | ssd, default ssd), ``draft_len``, ``fan_out_budget``, ``backup``, ``tree_widths``,
 ``top_k`` and ``ignore_eos``; ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` and
-``logit_bias`` (``decoding/penalties.py``); OpenAI's advisory fields (``user``, ``metadata``, ...) are taken and
-ignored. A field this server does not do (tools, ``suffix``, ``best_of`` > 1, JSON output) and any field it does not
+``logit_bias`` (``decoding/penalties.py``); structured output (``response_format``, ``structured_outputs``,
+``guided_*``: ``serve/structured.py``) and tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``; ``tool``
+messages and assistant ``tool_calls``: ``tools.py``); OpenAI's advisory fields (``user``, ``metadata``, ...) are taken
+and ignored. A field this server does not do (``functions``, ``suffix``, ``best_of`` > 1) and any field it does not
 know are refused with a 400 naming the field, never ignored. The logprobs are the target's own
 (``decoding/logprobs.py``), shaped by ``logprobs.py``. Several prompts and ``n`` > 1 become one submission per choice
 (:class:`Parsed`).
@@ -419,7 +421,7 @@ def response(parsed: Parsed, request_id: str, model: str, finals: list[Final], d
         body = {"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text}
         reason = FINISH_REASON[final.finish_reason]
         if parsed.tools is not None:
-            found = parse_calls(text)
+            found = parse_calls(text, parsed.tools.names)
             if found.calls:
                 body["message"] = {"role": "assistant", "content": found.content, "tool_calls": found.calls}
                 reason = TOOL_CALLS if reason == "stop" else reason
@@ -443,7 +445,8 @@ class Chunks:
         self.started: set[int] = set()          # choices whose first delta was sent (a chat's names the role)
         self.offsets: dict[int, int] = {}       # completions: each choice's text sent so far (its logprobs' offsets)
         # chat with tools: each choice's text split into content and calls as it arrives
-        self.calls = {i: CallStream() for i in range(len(parsed.submissions))} if parsed.tools is not None else {}
+        self.calls = {i: CallStream(parsed.tools.names) for i in range(len(parsed.submissions))} \
+            if parsed.tools is not None else {}
 
     def _chunk(self, choices: list[dict], **extra: Any) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",

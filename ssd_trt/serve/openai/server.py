@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ssd_trt.errors import ConfigError
 from ssd_trt.manifest import read_manifest
-from ssd_trt.runtime import Generator, RuntimeOptions
-from ssd_trt.serve.core import EngineWrapper, ServingCore, warm_up
+from ssd_trt.serve import loading
+from ssd_trt.serve.core import EngineWrapper, ServingCore
 
 # 45 s: a 5 s preStop sleep, the drain, then the last writes and the engines' close fit the 60 s grace period of a pod
 # (deploy/kubernetes)
@@ -51,17 +50,13 @@ def log(message: str) -> None:
 
 
 def load_core(options: ServerOptions, wrap_engine: EngineWrapper | None = None) -> ServingCore:
-    """The build loaded (checksums verified), warmed up, and its serving loop started: what the server waits for
-    before /health answers 200. ``wrap_engine``: ``ServingCore``'s (a test's fault injector)."""
-    started = time.perf_counter()
-    runtime = RuntimeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.runtime_options.items()})
-    generator = Generator(options.build_dir, runtime, verify_checksums=options.verify)
-    if options.warmup:
-        warm_up(generator)
-    max_running = options.max_batch_rows or generator.limits.max_batch
-    core = ServingCore(generator, max_running, log, options.max_waiting, wrap_engine=wrap_engine)
-    log(f"ssd_trt: loaded {options.build_dir} in {time.perf_counter() - started:.1f}s; serving {options.served_name!r} "
-        f"at http://{options.host}:{options.port}/v1 (continuous batching up to {max_running} requests)")
+    """The build loaded (checksums verified), warmed up, and its serving loop started (``serve/loading.py``): what the
+    server waits for before /health answers 200. ``wrap_engine``: ``ServingCore``'s (a test's fault injector)."""
+    core, seconds = loading.load_core(options.build_dir, options.runtime_options, options.max_batch_rows, log,
+                                      options.verify, options.warmup, max_waiting=options.max_waiting,
+                                      wrap_engine=wrap_engine)
+    log(f"ssd_trt: loaded {options.build_dir} in {seconds:.1f}s; serving {options.served_name!r} "
+        f"at http://{options.host}:{options.port}/v1 (continuous batching up to {core.max_running} requests)")
     return core
 
 
@@ -72,10 +67,9 @@ def serve(options: ServerOptions, wrap_engine: EngineWrapper | None = None,
     import uvicorn
 
     from ssd_trt.serve.openai.app import ServerState, create_app
-    limit = read_manifest(Path(options.build_dir)).recipe.engine.max_batch   # a wrong path fails now, not later
-    if not 0 <= options.max_batch_rows <= limit:
-        raise ConfigError(f"--max-batch-rows must be in 1..{limit} (the engine's max batch), got "
-                          f"{options.max_batch_rows}")
+    # a wrong path or batch fails now, not on the loader thread
+    loading.batch_rows(options.max_batch_rows, read_manifest(Path(options.build_dir)).recipe.engine.max_batch)
+    loading.runtime_options(options.runtime_options)
     if options.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {options.max_waiting}")
     failures: list[str] = []

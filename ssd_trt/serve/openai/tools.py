@@ -10,12 +10,18 @@ with tools: the model decides; its calls are parsed out of the text), ``required
 grammar, ``decoding/grammar.py``: one or more calls, or exactly one of that function, each call's arguments valid
 under the function's JSON schema). ``parallel_tool_calls: false`` allows one call.
 
+Small models often write a call without the tags: the reply is nothing but ``{"name": ..., "arguments": ...}`` (or a
+list of them), maybe in a ```json fence. Such a reply is taken as calls when every object names one of the request's
+functions (vLLM's Hermes parser would return it as text); anything else stays text.
+
 Streamed, the text before the first call streams as content; a call is sent whole, in one ``tool_calls`` delta (its
-index, id, name and complete arguments), once its closing tag arrived, as OpenAI's stream ends each call's deltas.
+index, id, name and complete arguments), once its closing tag arrived, as OpenAI's stream ends each call's deltas. A
+reply that starts like a bare call (``{``, ``[`` or a fence) is held to its end, then sent as calls or as text.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +30,8 @@ from ssd_trt.decoding.grammar import JSON_OPTIONS, Grammar
 from ssd_trt.errors import RequestError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
+BARE_START = "{[`"          # how a reply that is a bare call begins
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,10 @@ class ToolUse:
     functions: tuple[Function, ...]
     choice: str
     parallel: bool = True
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.functions)
 
     @property
     def forced(self) -> bool:
@@ -156,9 +168,12 @@ class Parsed:
     calls: list[dict]
 
 
-def parse_calls(text: str) -> Parsed:
-    """The model's text as content and tool calls (OpenAI's objects, arguments as JSON text). A block that does not
-    parse as a call stays in the content, as the model wrote it."""
+def parse_calls(text: str, names: frozenset[str]) -> Parsed:
+    """The model's text as content and tool calls (OpenAI's objects, arguments as JSON text) of the functions
+    ``names``. A block that does not parse as a call stays in the content, as the model wrote it."""
+    if OPEN not in text:
+        calls = bare_calls(text, names)
+        return Parsed(None, calls) if calls else Parsed(text.strip() or None, [])
     content, calls, at = [], [], 0
     while True:
         start = text.find(OPEN, at)
@@ -180,11 +195,30 @@ def parse_calls(text: str) -> Parsed:
     return Parsed(joined or None, calls)
 
 
+def bare_calls(text: str, names: frozenset[str]) -> list[dict]:
+    """A reply that is nothing but call objects naming the request's functions (module doc); [] otherwise."""
+    body = text.strip()
+    fenced = FENCE.fullmatch(body)
+    try:
+        value = json.loads(fenced.group(1) if fenced else body)
+    except ValueError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    calls = [_object_call(item) for item in items]
+    if not items or any(c is None or c["function"]["name"] not in names for c in calls):
+        return []
+    return calls
+
+
 def _call(block: str) -> dict | None:
     try:
         value = json.loads(block.strip())
     except ValueError:
         return None
+    return _object_call(value)
+
+
+def _object_call(value) -> dict | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -197,14 +231,19 @@ def _call(block: str) -> dict | None:
 class CallStream:
     """One streamed choice's text split into content to send now and tool calls, as the text arrives: content up to
     where a call may begin is sent; from ``<tool_call>`` on, text is held until the call closes, then sent as a call
-    (``feed`` returns (content, calls ready)); ``end`` gives what is left."""
+    (``feed`` returns (content, calls ready)); a reply that starts like a bare call is held whole; ``end`` gives what
+    is left."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
         self.held = ""
         self.calls = 0          # calls sent (their indices)
+        self.sent = False       # content was sent (the reply is not a bare call)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.held += text
+        if not self.sent and not self.calls and (not self.held.strip() or self.held.lstrip()[0] in BARE_START):
+            return "", []           # maybe a bare call: wait for the end
         content, calls = "", []
         while True:
             start = self.held.find(OPEN)
@@ -214,12 +253,12 @@ class CallStream:
                              if OPEN.startswith(self.held[-k:])), 0)
                 content += self.held[:len(self.held) - keep]
                 self.held = self.held[len(self.held) - keep:]
-                return content, calls
+                break
             end = self.held.find(CLOSE, start)
             if end < 0:
                 content += self.held[:start]
                 self.held = self.held[start:]
-                return content, calls
+                break
             call = _call(self.held[start + len(OPEN):end])
             if call is None:
                 content += self.held[:end + len(CLOSE)]
@@ -227,9 +266,17 @@ class CallStream:
                 content += self.held[:start]
                 calls.append(self._numbered(call))
             self.held = self.held[end + len(CLOSE):]
+        self.sent = self.sent or bool(content.strip())
+        return content, calls
 
     def end(self, text: str) -> tuple[str, list[dict]]:
         """The rest of the text: any last call; what never closed is content."""
+        if not self.sent and not self.calls and OPEN not in self.held + text:
+            calls = bare_calls(self.held + text, self.names)
+            if calls:
+                self.held = ""
+                return "", [self._numbered(c) for c in calls]
+            self.sent = True              # (text after all: the held start goes out as content below)
         content, calls = self.feed(text)
         content, self.held = content + self.held, ""
         return content, calls

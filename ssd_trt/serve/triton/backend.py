@@ -24,9 +24,10 @@ from ssd_trt.batching.scheduler import CapacityError
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.settings import Settings, parse_mode
 from ssd_trt.errors import RequestError, SsdTrtError
-from ssd_trt.runtime import DEFAULT_MODE, Generator, RuntimeOptions
-from ssd_trt.serve.core import Final, RequestCancelled, ServingCore, Submission, warm_up
+from ssd_trt.runtime import DEFAULT_MODE
+from ssd_trt.serve.core import Final, RequestCancelled, ServingCore, Submission
 from ssd_trt.serve.fields import TRITON_INPUTS
+from ssd_trt.serve.loading import load_core
 from ssd_trt.serve.structured import from_triton
 from ssd_trt.serve.triton.metrics import TritonMetrics
 
@@ -156,15 +157,14 @@ class TritonHandle:
 
 
 class ModelServer:
-    """One model instance: the loaded :class:`Generator` and its serving loop."""
+    """One model instance: the loaded build's serving loop (``core``)."""
 
-    def __init__(self, generator: Generator, pb_utils, streaming_model: bool, max_running: int,
-                 log: Callable[[str], None], model_name: str = "ssd_trt") -> None:
-        self.generator = generator
+    def __init__(self, core: ServingCore, pb_utils, streaming_model: bool, log: Callable[[str], None],
+                 model_name: str = "ssd_trt") -> None:
         self.pb = pb_utils
         self.streaming_model = streaming_model
         self.log = log
-        self.core = ServingCore(generator, max_running, log)
+        self.core = core
         self.triton_metrics = TritonMetrics(pb_utils, model_name, log)
         self._export_metrics()      # the families created here, on the stub's main thread; updated by the sender's
         self.core.exporters.append(self._export_metrics)
@@ -177,20 +177,15 @@ class ModelServer:
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         logger = getattr(pb_utils, "Logger", None)
         log = logger.log_info if logger is not None else print
-        options = {k: tuple(v) if isinstance(v, list) else v
-                   for k, v in json.loads(params.get("runtime_options") or "{}").items()}
         artifact_dir = Path(params["artifact_dir"])
-        started = time.perf_counter()
-        generator = Generator(artifact_dir, RuntimeOptions(**options),
-                              verify_checksums=params.get("verify_checksums", "true").lower() == "true")
-        if params.get("warmup", "true").lower() == "true":
-            warm_up(generator)
-        max_running = int(params.get("max_batch_rows") or 0) or generator.limits.max_batch
-        max_running = min(max_running, generator.limits.max_batch)
+        core, seconds = load_core(artifact_dir, json.loads(params.get("runtime_options") or "{}"),
+                                  int(params.get("max_batch_rows") or 0), log,
+                                  verify=params.get("verify_checksums", "true").lower() == "true",
+                                  warmup=params.get("warmup", "true").lower() == "true")
         streaming = pb_utils.using_decoupled_model_transaction_policy(model_config)
-        server = cls(generator, pb_utils, streaming, max_running, log, model_config.get("name", "ssd_trt"))
-        log(f"ssd_trt: loaded {artifact_dir} in {time.perf_counter() - started:.1f}s "
-            f"(streaming={streaming}, continuous batching up to {max_running} requests)")
+        server = cls(core, pb_utils, streaming, log, model_config.get("name", "ssd_trt"))
+        log(f"ssd_trt: loaded {artifact_dir} in {seconds:.1f}s "
+            f"(streaming={streaming}, continuous batching up to {core.max_running} requests)")
         return server
 
     # -- Triton entry points -------------------------------------------------------------------

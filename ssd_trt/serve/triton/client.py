@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ssd_trt.serve.fields import client_dtype
+
 STREAM_MODEL = "ssd_trt"
 NONSTREAM_MODEL = "ssd_trt_nonstream"
 STAT_OUTPUTS = ("generated_tokens", "accepted_tokens", "acceptance_rate", "cache_hit_rate")
@@ -51,22 +53,14 @@ def request_tensors(prompt: str, max_tokens: int, temperature: float = 0.0, top_
     """(name, Triton dtype, value) for one request, TensorRT-LLM backend names for what they share. The decoding
     options (K for sd / ssd, SSD's fan-out budget and backup, SD's token tree) are sent only when set: unset,
     the build's defaults apply (and an ssd request's load policy adapts them)."""
-    tensors = [("text_input", "BYTES", prompt), ("max_tokens", "INT32", max_tokens),
-               ("temperature", "FP32", temperature), ("top_p", "FP32", top_p), ("top_k", "INT32", top_k),
-               ("mode", "BYTES", mode), ("stream", "BOOL", stream)]
-    if seed is not None:
-        tensors.append(("random_seed", "UINT64", seed))
-    if ignore_eos:
-        tensors.append(("ignore_eos", "BOOL", True))
-    if chat:
-        tensors.append(("chat", "BOOL", True))
-    if structured_outputs is not None:       # vLLM's object (serve/structured.py), as JSON text
-        tensors.append(("structured_outputs", "BYTES", json.dumps(structured_outputs)))
-    for name, dtype, value in (("draft_len", "INT32", draft_len), ("fan_out_budget", "INT32", fan_out_budget),
-                               ("backup", "BYTES", backup),
-                               ("tree_widths", "INT32", None if tree_widths is None else list(tree_widths))):
-        if value is not None:
-            tensors.append((name, dtype, value))
+    values = {"text_input": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+              "top_k": top_k, "mode": mode, "stream": stream, "random_seed": seed, "ignore_eos": ignore_eos or None,
+              "chat": chat or None, "draft_len": draft_len, "fan_out_budget": fan_out_budget, "backup": backup,
+              "tree_widths": None if tree_widths is None else list(tree_widths),
+              # vLLM's object (serve/structured.py), as JSON text
+              "structured_outputs": None if structured_outputs is None else json.dumps(structured_outputs)}
+    # each input's data type from the one field table (serve/fields.py)
+    tensors = [(name, client_dtype(name), value) for name, value in values.items() if value is not None]
     return tensors
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import ssd_trt
 from ssd_trt.errors import ArtifactError, SsdTrtError
 from ssd_trt.manifest import read_manifest
-from ssd_trt.runtime import RuntimeOptions
+from ssd_trt.serve.loading import batch_rows, runtime_options
 from ssd_trt.serve.fields import TRITON_INPUTS
 from ssd_trt.serve.triton import NONSTREAM_SUFFIX, STREAM_MODEL
 from ssd_trt.serve.triton.model_template import MODEL_PY
@@ -95,13 +95,8 @@ def export_repository(artifact_dir: str | Path, out: str | Path, options: Export
     if options.instances < 1:
         raise SsdTrtError(f"--instances must be >= 1, got {options.instances}")
     max_batch = manifest.recipe.engine.max_batch
-    if not 0 <= options.max_batch_rows <= max_batch:
-        raise SsdTrtError(f"--max-batch-rows must be in 0..{max_batch} (the engine's max batch), "
-                          f"got {options.max_batch_rows}")
-    try:
-        RuntimeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.runtime_options.items()})
-    except TypeError as exc:
-        raise SsdTrtError(f"--runtime-options: {exc}; fields are those of ssd_trt.RuntimeOptions") from None
+    batch_rows(options.max_batch_rows, max_batch)          # (serve/loading.py: the policy both frontends load by)
+    runtime_options(options.runtime_options)
     kind = instance_kind_for(options.instance_kind,
                              options.runtime_options.get("backend") or manifest.recipe.engine.backend,
                              bool(manifest.tensorrt.plans))
