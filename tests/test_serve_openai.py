@@ -816,7 +816,8 @@ def test_forced_tool_calls_parse_streamed_or_not_and_a_tool_result_goes_back_to_
     # the call and its result go back: the assistant's tool_calls and a tool message are taken
     follow = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
         *messages, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}], tools=[WEATHER])
     assert follow.choices[0].message.content
     # tool_choice none: the model answers in text (its tools left out of the prompt)
@@ -843,6 +844,12 @@ def test_langchain_structured_output_and_tools_and_litellm_work_as_their_users_c
                                        max_tokens=48, max_retries=0)
     person = chat.with_structured_output(Person).invoke("Describe a person.")
     assert isinstance(person, Person) and person.name
+    # the official client's own structured-output helper (a pydantic model as response_format)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    parsed = parse(model=model, messages=[{"role": "user", "content": "Describe a person."}], response_format=Person,
+                   temperature=0, max_tokens=48).choices[0].message.parsed
+    assert parsed == person           # (greedy: LangChain sent the same schema)
     message = chat.bind_tools([WEATHER, ADD], tool_choice="required").invoke("What is the weather in Paris?")
     assert message.tool_calls and message.tool_calls[0]["name"] in ("get_weather", "add")
     assert isinstance(message.tool_calls[0]["args"], dict)

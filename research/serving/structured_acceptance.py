@@ -7,8 +7,12 @@ interleaved in one run; every output checked equal to AR's (greedy).
     .venv/bin/python research/serving/structured_acceptance.py build/qwen2.5-coder-1.5b --chat \
         --out docs/bench/structured_acceptance_real_pair.json
 
-Each prompt runs alone (its own statistics), greedy, ``--max-tokens`` under the schema below; the modes are the
-server's defaults for sd and ssd (the build's tuned K and budget). The order of (mode, masked) alternates per prompt.
+Each prompt runs alone (its own statistics), greedy, ``--max-tokens`` under the schema below. sd and ssd run with the
+build's default K and budget set explicitly, so that SSD's load policy does not adapt them (or pause speculation)
+from one run to the next: every run speculates every round, and the acceptances compare. ``ssd-default`` is what a
+request gets with no flags: SSD under its load policy, which may pause speculation when it does not pay (its
+acceptance counts the rounds that speculated). The order of (mode,
+masked) alternates per prompt. Run it on an otherwise idle machine (the tok/s are side by side, not absolute).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import ssd_trt  # noqa: E402
+from ssd_trt import SD, SSD  # noqa: E402
 from ssd_trt.bench.artifact import write_artifact  # noqa: E402
 from ssd_trt.decoding.grammar import Grammar  # noqa: E402
 
@@ -37,11 +42,18 @@ PROMPTS = ["Describe a classic science-fiction film as JSON.", "Give a film rele
            "A comedy film, as a JSON object.", "Return JSON for an animated movie.",
            "A film about the sea, described as JSON.", "JSON for a thriller set in Paris.",
            "Describe a documentary as JSON.", "A musical film as JSON."]
-MODES = ("sd", "ssd")
+MODES = ("sd", "ssd", "ssd-default")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     gen = ssd_trt.load(args.build)
+    sd, ssd = gen.resolve("sd").settings, gen.resolve("ssd").settings
+    modes = {"sd": SD(draft_len=sd.draft_len), "ssd": SSD(draft_len=ssd.draft_len, fan_out_budget=ssd.fan_out_budget),
+             "ssd-default": "ssd"}
+    warm = gen.encode("Hello", chat=args.chat)       # both engines opened and warm before anything is timed
+    for mode in modes.values():
+        gen.generate_ids([warm], ssd_trt.SamplingParams(max_new_tokens=8, grammar=Grammar.json_schema(SCHEMA)),
+                         mode=mode)
     rows: list[dict[str, Any]] = []
     for index, prompt in enumerate(PROMPTS):
         ids = gen.encode(prompt, chat=args.chat)
@@ -53,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             params = ssd_trt.SamplingParams(max_new_tokens=args.max_tokens, grammar=Grammar.json_schema(SCHEMA),
                                             mask_draft=masked)
             started = time.perf_counter()
-            [out] = gen.generate_ids([ids], params, mode=mode)
+            [out] = gen.generate_ids([ids], params, mode=modes[mode])
             seconds = time.perf_counter() - started
             rows.append({"prompt": index, "mode": mode, "draft_masked": masked, "seconds": seconds,
                          "tokens": len(out.token_ids), "equal_to_ar": out.token_ids == ar.token_ids,
@@ -70,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "mean_accepted": statistics.mean(r["mean_accepted"] or 0.0 for r in mine),
                 "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine),
                 "all_equal_to_ar": all(r["equal_to_ar"] for r in mine)}
-    return {"build": Path(args.build).name, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    return {"build": Path(args.build).name, "settings": {name: repr(m) for name, m in modes.items()}, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "machine": platform.processor() or platform.machine(), "max_tokens": args.max_tokens, "schema": SCHEMA,
             "prompts": PROMPTS, "summary": summary, "runs": rows}
 

@@ -115,10 +115,10 @@ class Grammars:
     def check(self, grammar: Grammar) -> str:
         """The compiled grammar; a RequestError saying what is wrong with it when llguidance refuses it."""
         from llguidance import LLMatcher
-        compiled = grammar.compiled()
         with self._lock:
             if grammar in self._checked:
                 return self._checked[grammar]
+        compiled = grammar.compiled()
         error = LLMatcher.validate_grammar(compiled, self.tokenizer)
         if error:
             words = " ".join(line.strip() for line in error.strip().splitlines()[:4] if line.strip())
@@ -143,13 +143,14 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
 
-    def _mask(self, matcher=None) -> np.ndarray:
-        bits = np.frombuffer((matcher or self.matcher).compute_bitmask(), dtype=np.uint8)
+    def _mask(self) -> np.ndarray:
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         return np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
 
     def masks_along(self, paths: Sequence[Sequence[int]]) -> list[np.ndarray | None]:
         """The mask at the end of each path (tokens drafted ahead of the committed output); None where the path
-        leaves the grammar or allows nothing after it (verification never reaches there). Paths that extend one another (a chain) share work."""
+        leaves the grammar or allows nothing after it (verification never reaches there). Paths that extend one
+        another (a chain) share the work: only the tokens past their common prefix are consumed."""
         out: list[np.ndarray | None] = []
         matcher, held = self.matcher, []          # the tokens consumed ahead of the committed state
         for path in paths:
