@@ -52,9 +52,9 @@ def test_tool_choice_forms_and_their_refusals():
     assert tool_use({"tools": tools, "tool_choice": "none"}) is None
     named = tool_use({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "add"}}})
     assert named.choice == "add" and not named.parallel and "%json" in named.grammar().source
-    assert "+" in tool_use({"tools": tools, "tool_choice": "required"}).grammar().source
-    assert "+" not in tool_use({"tools": tools, "tool_choice": "required",
-                                "parallel_tool_calls": False}).grammar().source
+    assert "block)*" in tool_use({"tools": tools, "tool_choice": "required"}).grammar().source
+    assert "block)*" not in tool_use({"tools": tools, "tool_choice": "required",
+                                      "parallel_tool_calls": False}).grammar().source
     for body, field in [({"tool_choice": "required"}, "tool_choice"), ({"tools": {"a": 1}}, "tools"),
                         ({"tools": tools + tools}, "tools"), ({"tools": tools, "tool_choice": "maybe"}, "tool_choice"),
                         ({"tools": tools, "parallel_tool_calls": "yes"}, "parallel_tool_calls")]:

@@ -64,9 +64,10 @@ class ToolUse:
         schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                              "properties": {"name": {"const": f.name}, "arguments": f.parameters}}
                             for f in allowed], "x-guidance": dict(JSON_OPTIONS)}
-        call = f'"{OPEN}\\n" call "\\n{CLOSE}"'
-        repeat = "+" if self.parallel and self.choice == "required" else ""
-        return Grammar("lark", f"start: ({call}){repeat}\ncall: %json {json.dumps(schema)}")
+        block = f'"{OPEN}\\n" call "\\n{CLOSE}"'
+        # several calls (required, parallel): one a line, as the Hermes format lists them
+        start = f'block ("\\n" block)*' if self.parallel and self.choice == "required" else "block"
+        return Grammar("lark", f"start: {start}\nblock: {block}\ncall: %json {json.dumps(schema)}")
 
     def template_tools(self) -> list[dict]:
         """The tools as chat templates take them (OpenAI's shape)."""
