@@ -38,7 +38,10 @@ Sampling is lossless because the target verifies with the exact distribution eac
 (``sampling.verify_chain``). With Saguaro sampling (C < 1) that distribution is sigma_{F,C}: the draft's top-(F+1)
 tokens at a position -- a superset of the tokens cached as bonus guesses there, since the draft's own token is
 excluded from the forks -- get C times their mass, which moves residual mass onto cached tokens (the reference
-code scales top-(F+1) too). Every draft draw of SSD goes through :meth:`DraftWorker.draw`.
+code scales top-(F+1) too). Every draft draw of SSD goes through :meth:`DraftWorker.draw`. Under a grammar
+(structured output, ``grammar.py``) the glue logits and every draw are first masked along their branch's path (the
+speculation s_1..s_j, the fork token, the branch's own tokens), from the request's matcher as it stood when the round
+began: the bonus guesses and the cached branches are then tokens the grammar allows.
 
 Tree decode re-feeds the glue tokens and earlier branch tokens at every step (their KV is not kept between steps)
 because the attention op treats every cached slot as visible prefix; a masked cached region would remove that
@@ -54,8 +57,8 @@ from typing import Sequence
 import numpy as np
 
 from ssd_trt.decoding.draft_lane import DraftLane
-from ssd_trt.decoding.grammar import draft_copies, mask_rows
 from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks, ranked_forks
+from ssd_trt.decoding.grammar import draft_copies, mask_rows
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, filter_logits, softmax
 from ssd_trt.decoding.sequence import SequenceState, Speculation
