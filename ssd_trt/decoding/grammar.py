@@ -4,8 +4,9 @@ tokens it may emit, through llguidance (https://github.com/guidance-ai/llguidanc
 Why llguidance: a self-contained Rust wheel (no torch, no compiler at run time) that takes JSON schemas, regexes and
 Lark grammars; it computes a token mask in tens of microseconds with no per-grammar compile step worth caching; and its
 matcher rolls back (``LLMatcher.rollback``), which is what speculation needs: a drafted path is consumed, masked along
-and rolled back, without copying the parser per position. (xgrammar has rollback too, but depends on torch and
-compiles each schema, ms to s, before its first mask; outlines-core builds a full index per regex up front.)
+and rolled back, without copying the parser per position. (xgrammar has rollback too, but its wheel requires torch,
+transformers, triton and apache-tvm-ffi, and each grammar goes through its compiler before the first mask;
+outlines-core builds an index per regex up front and takes no Lark grammars.)
 
 Lossless under speculation. The target's distribution under a grammar is p'(x) ∝ p(x) * [x allowed after the
 output so far] (the mask applies to the logits first, as vLLM applies it before its sampler; logit adjustments,

@@ -81,21 +81,21 @@ def _grammar(key: str, spec: Any, where: str, field: str) -> Grammar:
     return Grammar("regex" if key == "regex" else "lark", spec)
 
 
-def grammar_of(body: dict) -> Grammar | None:
-    """The one grammar a request body asks for through any of the fields above (None: none)."""
+def grammar_of(body: dict) -> tuple[Grammar | None, str | None]:
+    """The one grammar a request body asks for through any of the fields above, and that field (None, None: none)."""
     asked = [name for name in ("response_format", "structured_outputs", *GUIDED)
              if body.get(name) is not None and not (name == "response_format" and
                                                     from_response_format(body[name]) is None)]
     if len(asked) > 1:
         raise RequestError(f"{' and '.join(asked)} both constrain the output; send one", asked[1])
     if not asked:
-        return None
+        return None, None
     name = asked[0]
     if name == "response_format":
-        return from_response_format(body[name])
+        return from_response_format(body[name]), name
     if name == "structured_outputs":
-        return from_structured_outputs(body[name])
-    return _grammar(GUIDED[name], body[name], name, name)
+        return from_structured_outputs(body[name]), name
+    return _grammar(GUIDED[name], body[name], name, name), name
 
 
 def from_triton(text: str | None) -> Grammar | None:

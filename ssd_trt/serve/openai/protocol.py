@@ -32,7 +32,7 @@ from ssd_trt.errors import RequestError
 from ssd_trt.requests import encode_chat
 from ssd_trt.serve.core import Final, ServingCore, Submission
 from ssd_trt.serve.fields import BY_ENDPOINT, BY_NAME, CHAT, COMPLETIONS, UNSUPPORTED, is_neutral
-from ssd_trt.serve.structured import GUIDED, grammar_of
+from ssd_trt.serve.structured import grammar_of
 from ssd_trt.serve.openai.errors import ApiError, bad_request
 from ssd_trt.serve.openai.logprobs import Decode, chat_logprobs, completion_logprobs, merge
 from ssd_trt.serve.openai.tools import CallStream, ToolUse, hermes_text, parse_calls, template_message, tool_use
@@ -172,7 +172,7 @@ def _content(message: dict, index: int) -> str:
                                   "messages")
             texts.append(part["text"])
         return "".join(texts)
-    if content is None and message.get("role") == "assistant" or content is None and message.get("role") == "tool":
+    if content is None and message.get("role") in ("assistant", "tool"):      # (an assistant's calls carry none)
         return ""
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts, got {content!r}",
                       "messages")
@@ -323,9 +323,7 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
 def _grammar(body: dict, tools: ToolUse | None, core: ServingCore) -> Grammar | None:
     """What the output must match (``serve/structured.py``; a forced tool call's grammar, ``tools.py``), checked
     against the build's tokenizer now: a bad one is a 400 naming its field."""
-    grammar = grammar_of(body)
-    field = next((name for name in ("response_format", "structured_outputs", *GUIDED) if body.get(name) is not None),
-                 None)
+    grammar, field = grammar_of(body)
     if tools is not None and tools.forced:
         if grammar is not None:
             raise bad_request(f"{field} and tool_choice {tools.choice!r} both constrain the output; send one", field)

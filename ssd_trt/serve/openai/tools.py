@@ -66,7 +66,7 @@ class ToolUse:
                             for f in allowed], "x-guidance": dict(JSON_OPTIONS)}
         block = f'"{OPEN}\\n" call "\\n{CLOSE}"'
         # several calls (required, parallel): one a line, as the Hermes format lists them
-        start = f'block ("\\n" block)*' if self.parallel and self.choice == "required" else "block"
+        start = 'block ("\\n" block)*' if self.parallel and self.choice == "required" else "block"
         return Grammar("lark", f"start: {start}\nblock: {block}\ncall: %json {json.dumps(schema)}")
 
     def template_tools(self) -> list[dict]:
