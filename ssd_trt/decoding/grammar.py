@@ -15,7 +15,7 @@ state *at that position*: the request's output plus the drafted tokens ahead of 
 tree node's ancestors), exactly what AR would have seen. So accepting or rejecting against it gives AR's masked
 distribution, whatever the draft proposed: a drafted token the grammar forbids has p' = 0 and is rejected. Positions
 behind such a token are never reached by verification; they get no mask. The draft is masked too, along its own
-paths (:meth:`GrammarState.draft_masks`): it only raises acceptance (any proposal q is exact under verification).
+paths (:meth:`GrammarState.draft_copy`, :class:`DraftGrammar`): it only raises acceptance (any proposal q is exact under verification).
 
 JSON schemas compile with fixed separators (``", "`` and ``": "``, as ``json.dumps``) and no free whitespace: a small
 model under a flexible-whitespace grammar can emit newlines forever (and the output is the same JSON).
@@ -192,12 +192,12 @@ class GrammarState:
 
 
 class DraftGrammar(GrammarState):
-    """The draft's copy of a request's grammar: masks along drafted tokens, then back to where it was copied."""
+    """The draft's copy of a request's grammar, for one round: masks along the paths it drafts (``masks_along``), or
+    along one chain, a token at a time (``mask_after``); the copy is dropped after the round."""
 
     def __init__(self, matcher, vocab_size: int) -> None:
         super().__init__(matcher, vocab_size)
-        self.ahead = 0           # drafted tokens consumed past the copy point
-        self.off = False         # a drafted token left the grammar: no more masks on this path
+        self.off = False         # a drafted token left the grammar: no more masks on this chain
 
     def mask_after(self, token: int | None) -> np.ndarray | None:
         """Consume the token just drafted (None: none yet) and the mask for the next one (None once off)."""
@@ -207,14 +207,8 @@ class DraftGrammar(GrammarState):
             if self.matcher.try_consume_tokens([int(token)]) != 1:
                 self.off = True
                 return None
-            self.ahead += 1
         mask = self._mask()
         return mask if mask.any() else None
-
-    def reset(self) -> None:
-        if self.ahead:
-            self.matcher.rollback(self.ahead)
-        self.ahead, self.off = 0, False
 
 
 def apply_mask(logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
@@ -257,8 +251,3 @@ def _draft_masked(logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         width = min(out.shape[-1], mask.shape[0])
         out[:width][mask[:width]] = 0.0
     return out
-
-
-def masks_draft(seqs) -> bool:
-    """Whether any of these requests has a grammar its draft is masked by (``SamplingParams.mask_draft``)."""
-    return any(seq.grammar is not None and seq.params.mask_draft for seq in seqs)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 from ssd_trt.decoding.feature_relay import target_features
-from ssd_trt.decoding.grammar import apply_mask
 from ssd_trt.decoding.logprobs import token_logprobs
-from ssd_trt.decoding.penalties import adjusted, adjusts
+from ssd_trt.decoding.penalties import adjusts
+from ssd_trt.decoding.round import target_choice_logits
 from ssd_trt.decoding.sampling import draw_rows
 from ssd_trt.decoding.sequence import SequenceState
 from ssd_trt.engines.base import Engine
@@ -48,21 +48,14 @@ def prefill(target: Engine, rows: list[SequenceState], spin: bool) -> list[tuple
             seq.prompt_logprobs = token_logprobs(every[0, :-1], seq.prompt[1:], seq.params.prompt_logprobs)
         chosen = logits
         if any(adjusts(s.params) or s.grammar is not None for s in run):
-            chosen = np.stack([first_choice_logits(s, logits[r]) for r, s in enumerate(run)])
+            # (the first token follows no output: masked at the grammar's start, adjusted with no history)
+            chosen = np.stack([target_choice_logits(s, None, logits[r][None])[0] for r, s in enumerate(run)])
         tokens, _ = draw_rows(chosen, [s.params for s in run], [s.rng for s in run])
         for r, (seq, token) in enumerate(zip(run, tokens)):
             logprobs = None if seq.params.logprobs is None else \
                 token_logprobs(logits[r:r + 1], [int(token)], seq.params.logprobs)
             committed.append((seq, seq.commit([int(token)], logprobs)))
     return committed
-
-
-def first_choice_logits(seq: SequenceState, logits: np.ndarray) -> np.ndarray:
-    """The logits [V] the first token is chosen on: masked by the request's grammar at its start, adjusted
-    (``penalties.py``: the first token follows no output)."""
-    if seq.grammar is not None:
-        logits = apply_mask(logits, seq.grammar.masks_along([[]])[0])
-    return adjusted(logits[None], seq.params, seq.prompt, [[]])[0] if adjusts(seq.params) else logits
 
 
 def _scores_prompt(seq: SequenceState) -> bool:

@@ -35,7 +35,7 @@ from ssd_trt.decoding import saguaro
 from ssd_trt.decoding.draft_lane import DraftLane
 from ssd_trt.decoding.fan_out import FanOutPlanners
 from ssd_trt.decoding.feature_relay import relay_features, target_features
-from ssd_trt.decoding.grammar import apply_mask, draft_copies, masks_draft
+from ssd_trt.decoding.grammar import apply_mask, draft_copies
 from ssd_trt.decoding.logprobs import token_logprobs
 from ssd_trt.decoding.penalties import adjusted, adjusts, chain_outputs, tree_outputs
 from ssd_trt.decoding.sampling import draw_rows, verify_chain
@@ -211,8 +211,7 @@ def propose_chains(lane: DraftLane, rows: list[SequenceState], plans: list[Round
         view = lane.rows(first, stop)
         start = view.lengths
         made = lane.run(draft_chains, view, pending_feeds(seqs), [p.settings.draft_len for p in plans[first:stop]],
-                        [s.params for s in seqs], [s.draft_rng for s in seqs], wanted,
-                        draft_copies(seqs) if masks_draft(seqs) else None)
+                        [s.params for s in seqs], [s.draft_rng for s in seqs], wanted, draft_copies(seqs))
         if made is None:
             return []
         tokens, dists = made
@@ -231,7 +230,7 @@ def propose_trees(lane: DraftLane, rows: list[SequenceState], plans: list[RoundP
         seqs = rows[first:stop]
         tree = TokenTree.of(plans[first].settings.tree_widths)
         trees = lane.run(checked_trees, lane.rows(first, stop), pending_feeds(seqs), tree, [s.params for s in seqs],
-                         [s.draft_rng for s in seqs], vocab, draft_copies(seqs) if masks_draft(seqs) else None)
+                         [s.draft_rng for s in seqs], vocab, draft_copies(seqs))
         if trees is None:
             return {}
         for r, seq in enumerate(seqs):

@@ -63,7 +63,7 @@ from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, filter_logits, softmax
 from ssd_trt.decoding.sequence import SequenceState, Speculation
 from ssd_trt.decoding.settings import SSD
-from ssd_trt.decoding.speculative import draft_tokens, validate_tokens
+from ssd_trt.decoding.speculative import draft_tokens, masked_draws, validate_tokens
 from ssd_trt.engines.base import Engine, last_indices
 from ssd_trt.engines.feeding import feed_rows
 from ssd_trt.ngram import lookup_followers, ngram_proposal
@@ -214,15 +214,10 @@ class DraftWorker:
         K, batch = self.settings.draft_len, len(bonus)
         prefix = self.draft.lengths + np.array([len(p) for p in self.pending])     # without the bonus
         fan_out = np.array([shapes[row][:K] for row in range(batch)])               # [B, K]: F at each position
-        drawn: list[np.ndarray] = []
-
-        def draw(logits: np.ndarray, i: int):
-            masks = self._masks([[[int(t) for t in drawn[-1][r]]] if drawn else [[]] for r in range(batch)])
-            made = self.draw(mask_rows(logits, [None if m is None else m[0] for m in masks]), fan_out[:, i], wanted)
-            drawn.append(np.concatenate([drawn[-1], made[0][:, None]], axis=1) if drawn else made[0][:, None])
-            return made
-        # the bonus token is committed: the grammar copies stand after it
-        tokens, dists = draft_tokens(self.draft, [p + [b] for p, b in zip(self.pending, bonus)], K, draw)
+        # the bonus token is committed: the grammar copies stand after it (this worker's copies are not used again)
+        tokens, dists = draft_tokens(self.draft, [p + [b] for p, b in zip(self.pending, bonus)], K,
+                                     masked_draws(lambda logits, i: self.draw(logits, fan_out[:, i], wanted),
+                                                  self.grammars))
         validate_tokens(tokens, (batch, K), self.draft.spec.vocab_size, "a just-in-time speculation")
         self.pending = [[] for _ in bonus]
         self.draft.rollback(prefix)   # drop bonus + drafted tokens: the next glue decode re-reads them

@@ -52,19 +52,30 @@ def draft_chains(draft, pending: list[list[int]], draft_lens: Sequence[int], par
     (``grammars``: the draft's copies, ``grammar.py``). Tokens [B, K_max] and, when any wanted row samples, every
     row's K_max distributions (a greedy row's: point masses)."""
     sampled = any(not p.greedy for p, w in zip(params, wanted) if w)
-    grammars = grammars or [None] * len(pending)
-    last: list[np.ndarray] = []          # the tokens drawn at the step before
 
     def draw(logits: np.ndarray, i: int):
-        logits = mask_rows(logits, [None if g is None else g.mask_after(int(last[0][r]) if last else None)
-                                    for r, g in enumerate(grammars)])
         tokens, q = draw_rows(logits, params, rngs, [w and i < k for w, k in zip(wanted, draft_lens)])
-        last[:] = [tokens]
         return tokens, (TokenDistribution.point_mass(tokens) if q is None and sampled else q)
     most = max(k for k, w in zip(draft_lens, wanted) if w)
-    tokens, dists = draft_tokens(draft, pending, most, draw)
+    tokens, dists = draft_tokens(draft, pending, most, masked_draws(draw, grammars))
     validate_tokens(tokens, (len(pending), most), draft.spec.vocab_size, "a chain")
     return tokens, dists
+
+
+def masked_draws(draw: Draw, grammars: Sequence[DraftGrammar | None] | None) -> Draw:
+    """``draw`` for :func:`draft_tokens`, on logits masked by each row's grammar (the draft's copies, each advanced
+    along the tokens its row drew before: a chain); ``draw`` itself when no row has one."""
+    if not grammars or all(g is None for g in grammars):
+        return draw
+    drawn: list[np.ndarray] = []          # the tokens drawn at the step before
+
+    def masked(logits: np.ndarray, i: int):
+        logits = mask_rows(logits, [None if g is None else g.mask_after(int(drawn[0][r]) if drawn else None)
+                                    for r, g in enumerate(grammars)])
+        tokens, q = draw(logits, i)
+        drawn[:] = [tokens]
+        return tokens, q
+    return masked
 
 
 def validate_tokens(tokens: np.ndarray, shape: tuple[int, ...], vocab: int, what: str) -> None:

@@ -35,7 +35,8 @@ from ssd_trt.serve.fields import BY_ENDPOINT, BY_NAME, CHAT, COMPLETIONS, UNSUPP
 from ssd_trt.serve.structured import grammar_of
 from ssd_trt.serve.openai.errors import ApiError, bad_request
 from ssd_trt.serve.openai.logprobs import Decode, chat_logprobs, completion_logprobs, merge
-from ssd_trt.serve.openai.tools import CallStream, ToolUse, hermes_text, parse_calls, template_message, tool_use
+from ssd_trt.serve.openai.tools import (CallStream, ToolUse, parse_calls, plain_tool_message, template_message,
+                                        tool_use, with_tool_prompt)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -218,22 +219,6 @@ def _chat_ids(tokenizer, messages: list[dict], tools: ToolUse | None = None) -> 
         where = "messages" if at is None else f"messages[{at}] (role {messages[at]['role']!r})"
         raise bad_request(f"{where}: the model's chat template refuses this conversation: {exc}", "messages") \
             from None
-
-
-def with_tool_prompt(messages: list[dict], tools: ToolUse) -> list[dict]:
-    """The tools in the system message, for a template that does not render them."""
-    if messages[0]["role"] == "system":
-        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + tools.system_prompt()}, *messages[1:]]
-    return [{"role": "system", "content": tools.system_prompt()}, *messages]
-
-
-def plain_tool_message(message: dict) -> dict:
-    """A message with tool calls or a tool's result as plain text (Hermes' tags)."""
-    if message.get("tool_calls"):
-        return {"role": message["role"], "content": message["content"] + hermes_text(message)}
-    if message["role"] == "tool":
-        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
-    return message
 
 
 def _refused(tokenizer, messages: list[dict[str, str]]) -> bool:

@@ -163,6 +163,22 @@ def hermes_text(message: dict) -> str:
                    f"\n{CLOSE}" for c in message.get("tool_calls", []))
 
 
+def with_tool_prompt(messages: list[dict], tools: ToolUse) -> list[dict]:
+    """The tools in the system message, for a template that does not render them."""
+    if messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + tools.system_prompt()}, *messages[1:]]
+    return [{"role": "system", "content": tools.system_prompt()}, *messages]
+
+
+def plain_tool_message(message: dict) -> dict:
+    """A message with tool calls or a tool's result as plain text (Hermes' tags)."""
+    if message.get("tool_calls"):
+        return {"role": message["role"], "content": message["content"] + hermes_text(message)}
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    return message
+
+
 @dataclass
 class Parsed:
     content: str | None
