@@ -1,0 +1,247 @@
+/* AVX2 (no VNNI): a 256-bit register holds one group of half a tile (4 consecutive k for 8 columns). The dot of
+ * unsigned codes with signed activations is vpmaddubsw (pairs into int16: at most 2 * 63 * 127 for codes of up to
+ * 6 bits, no saturation) then vpmaddwd with ones (pairs into int32). 8-bit codes (Q8_0, u = q + 128) would
+ * saturate there, so they take the sign trick on q = u - 128 instead and add back 128 * sum(x): the same int32.
+ * Built with -mavx2 -mfma -mf16c. */
+#include <immintrin.h>
+#include "layout.h"
+
+#define ROWS 4
+#define PREFETCH 8192        /* bytes ahead of the unpack that the tile stream is prefetched (avx512.c) */
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* the 8 groups of half `h` of a sub-block's codes */
+static inline void unpack(int bits, const uint8_t *codes, int h, __m256i g[8]) {
+    const int at = 32 * h;
+    if (bits == 8) {
+        for (int i = 0; i < 8; i++)
+            g[i] = _mm256_loadu_si256((const __m256i *)(codes + 64 * i + at));
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int p = 0; p < 4; p++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 64 * p + at));
+        g[2 * p] = _mm256_and_si256(v, low);
+        g[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    if (bits == 5) {
+        /* byte j of the group takes bit j of its 32-bit word: spread the word's bytes (byte j/8 to byte j), keep
+           bit j%8, compare */
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+        const __m256i fifth = _mm256_set1_epi8(0x10);
+        for (int i = 0; i < 8; i++) {
+            int32_t word;
+            memcpy(&word, codes + 256 + 8 * i + 4 * h, 4);
+            const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(word), spread);
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+            g[i] = _mm256_or_si256(g[i], _mm256_and_si256(set, fifth));
+        }
+    } else if (bits == 6) {
+        const __m256i top = _mm256_set1_epi8(0x30);
+        for (int p = 0; p < 2; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 256 + 64 * p + at));
+            g[4 * p + 0] = _mm256_or_si256(g[4 * p + 0], _mm256_and_si256(_mm256_slli_epi16(v, 4), top));
+            g[4 * p + 1] = _mm256_or_si256(g[4 * p + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), top));
+            g[4 * p + 2] = _mm256_or_si256(g[4 * p + 2], _mm256_and_si256(v, top));
+            g[4 * p + 3] = _mm256_or_si256(g[4 * p + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), top));
+        }
+    }
+}
+
+/* sum over 4 k of code x activation, per column lane */
+static inline __m256i dot4(int bits, __m256i codes, __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (bits == 8) {         /* q = u - 128 as int8; |q| x sign(x, q) = q x */
+        const __m256i q = _mm256_xor_si256(codes, _mm256_set1_epi8((char)0x80));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), ones);
+    }
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
+}
+
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256 u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 i8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline int sum32(const int8_t *q) {
+    int s = 0;
+    for (int i = 0; i < SSD_SUB; i++)
+        s += q[i];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void half_rows(const int kind, const ssd_weight *w, const ssd_act *a,
+                                                            const uint8_t *tile, int h, int r0, const int rows,
+                                                            float *y, int64_t ldy, int ncols) {
+    const int bits = ssd_code_bits(kind), subs = ssd_kblock(kind) / SSD_SUB, code_bytes = ssd_code_bytes(bits);
+    const int kblocks = w->k / ssd_kblock(kind), scale_bytes = ssd_scale_bytes(kind);
+    const size_t kblock_bytes = ssd_kblock_bytes(kind);
+    const int64_t row_blocks = a->k / SSD_SUB;
+    const int c0 = 8 * h;
+    __m256 acc[ROWS];
+    for (int r = 0; r < rows; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int kb = 0; kb < kblocks; kb++) {
+        const uint8_t *sp = tile + kb * kblock_bytes;
+        const __m256 d = f16x8(sp + 2 * c0);
+        __m256 base_m = _mm256_setzero_ps();
+        switch (kind) {
+        case SSD_Q4_0: base_m = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)); break;
+        case SSD_Q5_0: base_m = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f)); break;
+        case SSD_Q8_0: base_m = _mm256_mul_ps(d, _mm256_set1_ps(-128.0f)); break;
+        case SSD_Q4_1: case SSD_Q5_1: case SSD_Q4_K: case SSD_Q5_K: base_m = f16x8(sp + 32 + 2 * c0); break;
+        default: break;
+        }
+        for (int j = 0; j < subs; j++) {
+            const int64_t b = (int64_t)kb * subs + j;
+            __m256i g[8];
+            const uint8_t *codes = sp + scale_bytes + j * code_bytes;
+            if (h == 0 && r0 == 0)
+                for (int line = 0; line < code_bytes; line += 64)
+                    _mm_prefetch((const char *)codes + PREFETCH + line, _MM_HINT_T0);
+            unpack(bits, codes, h, g);
+            if (kind == SSD_Q6_K) {
+                const __m256 s0 = _mm256_mul_ps(d, i8x8(sp + 32 + (2 * j) * 16 + c0));
+                const __m256 s1 = _mm256_mul_ps(d, i8x8(sp + 32 + (2 * j + 1) * 16 + c0));
+                const __m256 m0 = _mm256_mul_ps(s0, _mm256_set1_ps(-32.0f));
+                const __m256 m1 = _mm256_mul_ps(s1, _mm256_set1_ps(-32.0f));
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xq = a->q + (int64_t)(r0 + r) * a->k + b * SSD_SUB;
+                    __m256i t0 = dot4(bits, g[0], bcast4(xq)), t1 = dot4(bits, g[4], bcast4(xq + 16));
+                    for (int i = 1; i < 4; i++) {
+                        t0 = _mm256_add_epi32(t0, dot4(bits, g[i], bcast4(xq + 4 * i)));
+                        t1 = _mm256_add_epi32(t1, dot4(bits, g[4 + i], bcast4(xq + 16 + 4 * i)));
+                    }
+                    const int64_t at = (r0 + r) * row_blocks + b;
+                    const __m256 dx = _mm256_set1_ps(a->d[at]);
+                    __m256 s = acc[r];
+                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0), _mm256_mul_ps(s0, dx), s);
+                    s = _mm256_fmadd_ps(m0, _mm256_set1_ps(a->ds16[2 * at]), s);
+                    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1), _mm256_mul_ps(s1, dx), s);
+                    acc[r] = _mm256_fmadd_ps(m1, _mm256_set1_ps(a->ds16[2 * at + 1]), s);
+                }
+                continue;
+            }
+            __m256 sv = d, mv = base_m;
+            if (kind == SSD_Q4_K || kind == SSD_Q5_K) {
+                sv = _mm256_mul_ps(d, u8x8(sp + 64 + j * 16 + c0));
+                mv = _mm256_xor_ps(_mm256_mul_ps(base_m, u8x8(sp + 64 + 128 + j * 16 + c0)), _mm256_set1_ps(-0.0f));
+            }
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xq = a->q + (int64_t)(r0 + r) * a->k + b * SSD_SUB;
+                __m256i t0 = dot4(bits, g[0], bcast4(xq)), t1 = dot4(bits, g[1], bcast4(xq + 4));
+                for (int i = 1; i < 4; i++) {
+                    t0 = _mm256_add_epi32(t0, dot4(bits, g[2 * i], bcast4(xq + 8 * i)));
+                    t1 = _mm256_add_epi32(t1, dot4(bits, g[2 * i + 1], bcast4(xq + 8 * i + 4)));
+                }
+                __m256i t = _mm256_add_epi32(t0, t1);
+                if (bits == 8)       /* back from q = u - 128 to u: + 128 sum(x) */
+                    t = _mm256_add_epi32(t, _mm256_set1_epi32(128 * sum32(xq)));
+                const int64_t at = (r0 + r) * row_blocks + b;
+                const __m256 s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(sv, _mm256_set1_ps(a->d[at])),
+                                                 acc[r]);
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a->ds[at]), s);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        if (ncols >= c0 + 8) {
+            _mm256_storeu_ps(y + (r0 + r) * ldy + c0, acc[r]);
+        } else {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[r]);
+            for (int c = c0; c < ncols; c++)
+                y[(r0 + r) * ldy + c] = lanes[c - c0];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tiles_of_kind(const int kind, const ssd_weight *w,
+                                                                const ssd_act *a, float *y, int64_t ldy, int t0,
+                                                                int t1) {
+    const size_t tile_bytes = ssd_tile_bytes(kind, w->k);
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *tile = w->tiles + t * tile_bytes;
+        float *yt = y + t * SSD_TILE;
+        const int ncols = w->n - t * SSD_TILE;
+        for (int h = 0; h < 2 && 8 * h < ncols; h++) {
+            int r = 0;
+            for (; r + ROWS <= a->m; r += ROWS)
+                half_rows(kind, w, a, tile, h, r, ROWS, yt, ldy, ncols);
+            switch (a->m - r) {
+            case 1: half_rows(kind, w, a, tile, h, r, 1, yt, ldy, ncols); break;
+            case 2: half_rows(kind, w, a, tile, h, r, 2, yt, ldy, ncols); break;
+            case 3: half_rows(kind, w, a, tile, h, r, 3, yt, ldy, ncols); break;
+            default: break;
+            }
+        }
+    }
+}
+
+#define KIND_FN(K) \
+    static void tiles_##K(const ssd_weight *w, const ssd_act *a, float *y, int64_t ldy, int t0, int t1) { \
+        tiles_of_kind(SSD_##K, w, a, y, ldy, t0, t1); \
+    }
+KIND_FN(Q4_0) KIND_FN(Q4_1) KIND_FN(Q5_0) KIND_FN(Q5_1) KIND_FN(Q8_0) KIND_FN(Q4_K) KIND_FN(Q5_K) KIND_FN(Q6_K)
+
+static void matmul_tiles(const ssd_weight *w, const ssd_act *a, float *y, int64_t ldy, int t0, int t1) {
+    switch (w->kind) {
+    case SSD_Q4_0: tiles_Q4_0(w, a, y, ldy, t0, t1); break;
+    case SSD_Q4_1: tiles_Q4_1(w, a, y, ldy, t0, t1); break;
+    case SSD_Q5_0: tiles_Q5_0(w, a, y, ldy, t0, t1); break;
+    case SSD_Q5_1: tiles_Q5_1(w, a, y, ldy, t0, t1); break;
+    case SSD_Q8_0: tiles_Q8_0(w, a, y, ldy, t0, t1); break;
+    case SSD_Q4_K: tiles_Q4_K(w, a, y, ldy, t0, t1); break;
+    case SSD_Q5_K: tiles_Q5_K(w, a, y, ldy, t0, t1); break;
+    case SSD_Q6_K: tiles_Q6_K(w, a, y, ldy, t0, t1); break;
+    default: break;
+    }
+}
+
+/* the same quantization as scalar.c, 8 lanes at a time */
+static void quantize(const float *x, int64_t ldx, ssd_act *a) {
+    const int64_t row_blocks = a->k / SSD_SUB;
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int r = 0; r < a->m; r++) {
+        for (int64_t b = 0; b < row_blocks; b++) {
+            const float *xb = x + r * ldx + b * SSD_SUB;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], sign));
+            }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, mx);
+            float amax = 0.0f;
+            for (int i = 0; i < 8; i++)
+                amax = amax > lanes[i] ? amax : lanes[i];
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int8_t *out = a->q + r * a->k + b * SSD_SUB;
+            int sums[2] = {0, 0};
+            for (int i = 0; i < 4; i++) {
+                int32_t q[8];
+                _mm256_storeu_si256((__m256i *)q, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id))));
+                for (int l = 0; l < 8; l++) {
+                    out[8 * i + l] = (int8_t)q[l];
+                    sums[i >> 1] += q[l];
+                }
+            }
+            const int64_t at = r * row_blocks + b;
+            a->d[at] = d;
+            a->ds[at] = d * (float)(sums[0] + sums[1]);
+            a->ds16[2 * at] = d * (float)sums[0];
+            a->ds16[2 * at + 1] = d * (float)sums[1];
+        }
+    }
+}
+
+const ssd_isa ssd_isa_avx2 = {"avx2", quantize, matmul_tiles};
