@@ -189,3 +189,21 @@ def test_a_missing_compiler_is_one_clear_error(tmp_path):
     assert done.returncode == 1
     assert "not built, the CPU engine keeps ONNX Runtime's MatMulNBits: no C compiler" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_kernel_bench_writes_its_json_and_png(tmp_path):
+    """python -m ssd_trt.bench.kernels on the embedded target, one round (its llama.cpp column when llama-bench is
+    built, else the artifact says it is not)."""
+    import json
+    done = subprocess.run([sys.executable, "-m", "ssd_trt.bench.kernels", "--out", str(tmp_path), "--models",
+                           "embedded", "--rows", "1,2", "--threads", "1", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "kernels.json").read_text())
+    [run] = result["runs"]
+    assert run["tensors"] == 30 * 7 + 1 and run["path"] in PATHS
+    assert set(run["ms"]["ssd-trt"]) == set(run["ms"]["MatMulNBits"]) == {"1", "2"}
+    assert all(ms > 0 for way in run["ms"].values() for ms in way.values())
+    assert ("llama.cpp" in run["ms"]) == (run["llama_cpp_note"] is None)
+    assert (tmp_path / "kernels.png").stat().st_size > 10_000
+    assert "| 1 |" in done.stdout

@@ -37,6 +37,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ssd_quantize.restype, lib.ssd_quantize.argtypes = None, [p, p, i64, p]
     lib.ssd_matmul.restype, lib.ssd_matmul.argtypes = None, [p, i, p, p, p, i64, p]
     lib.ssd_dequantize.restype, lib.ssd_dequantize.argtypes = None, [p, p, i64]
+    lib.ssd_matmul_each.restype, lib.ssd_matmul_each.argtypes = None, [p, i, p, p, p, p]
     return lib
 
 
@@ -142,6 +143,26 @@ class Kernels:
         self._lib.ssd_matmul(self._pool, len(weights), structs, ctypes.byref(act.struct), out.ctypes.data, total,
                              offsets)
         return out
+
+    def matmul_each(self, xs: Sequence[np.ndarray], weights: Sequence[NativeWeight],
+                    outs: Sequence[np.ndarray]) -> None:
+        """outs[i] = xs[i] W_i for every i, in one call into the library (no Python between the products)."""
+        count = len(weights)
+        if not len(xs) == len(outs) == count:
+            raise ValueError(f"{count} weights need {count} inputs and outputs, got {len(xs)} and {len(outs)}")
+        acts = []
+        for x, w, out in zip(xs, weights, outs):
+            if x.dtype != np.float32 or not x.flags.c_contiguous or x.shape[1] != w.k:
+                raise ValueError(f"an input must be float32 C-contiguous [M, {w.k}], got {x.dtype} {x.shape}")
+            if out.shape != (x.shape[0], w.n) or out.dtype != np.float32 or not out.flags.c_contiguous:
+                raise ValueError(f"an output must be float32 C-contiguous [{x.shape[0]}, {w.n}], got {out.shape}")
+            acts.append(Activations(*x.shape))
+        pointers = ctypes.c_void_p * count
+        self._lib.ssd_matmul_each(self._pool, count,
+                                  (ctypes.POINTER(_Weight) * count)(*[ctypes.pointer(w.struct) for w in weights]),
+                                  pointers(*[x.ctypes.data for x in xs]),
+                                  (ctypes.POINTER(_Act) * count)(*[ctypes.pointer(a.struct) for a in acts]),
+                                  pointers(*[o.ctypes.data for o in outs]))
 
     def dequantize(self, weight: NativeWeight) -> np.ndarray:
         """W [K, N] fp32 from the tiles (the reference the tests hold to gguf's dequantization)."""

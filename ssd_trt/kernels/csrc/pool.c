@@ -155,3 +155,12 @@ void ssd_matmul(ssd_pool *pool, int count, const ssd_weight *const *w, const ssd
     while (atomic_load_explicit(&pool->pending, memory_order_acquire) > 0)
         _mm_pause();
 }
+
+void ssd_matmul_each(ssd_pool *pool, int count, const ssd_weight *const *w, const float *const *x, ssd_act *const *act,
+                     float *const *y) {
+    const int64_t zero = 0;
+    for (int i = 0; i < count; i++) {
+        pool->isa->quantize(x[i], act[i]->k, act[i]);
+        ssd_matmul(pool, 1, &w[i], act[i], y[i], w[i]->n, &zero);
+    }
+}

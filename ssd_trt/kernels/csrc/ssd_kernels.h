@@ -64,7 +64,6 @@ typedef struct {
 size_t ssd_tile_bytes(int kind, int k);
 /* bit 0: avx2 + fma + f16c, bit 1: avx512 f/bw/vl + vnni (each with the OS saving the registers) */
 int ssd_cpu_features(void);
-
 /* one function table per instruction set (the files scalar.c, avx2.c, avx512.c) */
 typedef struct {
     const char *name;
@@ -92,6 +91,11 @@ void ssd_quantize(ssd_pool *pool, const float *x, int64_t ldx, ssd_act *a);
 /* y[:, col_offset[i] + n] = a w[i] for each of count weights (all of a's k), their tiles split over the pool */
 void ssd_matmul(ssd_pool *pool, int count, const ssd_weight *const *w, const ssd_act *a, float *y, int64_t ldy,
                 const int64_t *col_offset);
+/* count independent products y_i [m, n_i] = x_i [m, k_i] w_i, each x_i quantized into act_i first, in one call
+   (what a model's step does between its other ops; the kernel benchmark times a whole model's layers this way) */
+void ssd_matmul_each(ssd_pool *pool, int count, const ssd_weight *const *w, const float *const *x, ssd_act *const *act,
+                     float *const *y);
+
 
 extern const ssd_isa ssd_isa_scalar;
 extern const ssd_isa ssd_isa_avx2;
