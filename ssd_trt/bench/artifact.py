@@ -15,3 +15,14 @@ def write_artifact(result: dict[str, Any], out: Path, plot: Callable[[dict[str, 
     png = plot(result, out.with_suffix(".png"))
     print(table(result))
     print(f"wrote {out}" + (f" and {png}" if png else ""), file=sys.stderr)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed (the PNGs are optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

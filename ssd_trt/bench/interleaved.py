@@ -25,7 +25,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ssd_trt.bench.artifact import write_artifact
+from ssd_trt.bench.artifact import pyplot, write_artifact
 from ssd_trt.bench.prompts import DEFAULT_PROMPTS, TUNING_PROMPTS, load_prompts
 from ssd_trt.bench.runner import LoadedBuilds, run_engine, summarise
 from ssd_trt.bench.settings import PRESETS, SETTINGS
@@ -154,11 +154,8 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     others = [m for m in result["modes"] if m != "ar"]
     fig, ax = plt.subplots(figsize=(7, 3.6))

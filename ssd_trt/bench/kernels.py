@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssd_trt.bench.artifact import write_artifact
+from ssd_trt.bench.artifact import pyplot, write_artifact
 from ssd_trt.bench.llama_bench import binary
 from ssd_trt.engines.affinity import pinned
 
@@ -167,11 +167,8 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     runs = result["runs"]
     models = list(dict.fromkeys(run["model"] for run in runs))

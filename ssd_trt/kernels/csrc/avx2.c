@@ -187,25 +187,7 @@ static inline __attribute__((always_inline)) void tiles_of_kind(const int kind, 
     }
 }
 
-#define KIND_FN(K) \
-    static void tiles_##K(const ssd_weight *w, const ssd_act *a, float *y, int64_t ldy, int t0, int t1) { \
-        tiles_of_kind(SSD_##K, w, a, y, ldy, t0, t1); \
-    }
-KIND_FN(Q4_0) KIND_FN(Q4_1) KIND_FN(Q5_0) KIND_FN(Q5_1) KIND_FN(Q8_0) KIND_FN(Q4_K) KIND_FN(Q5_K) KIND_FN(Q6_K)
-
-static void matmul_tiles(const ssd_weight *w, const ssd_act *a, float *y, int64_t ldy, int t0, int t1) {
-    switch (w->kind) {
-    case SSD_Q4_0: tiles_Q4_0(w, a, y, ldy, t0, t1); break;
-    case SSD_Q4_1: tiles_Q4_1(w, a, y, ldy, t0, t1); break;
-    case SSD_Q5_0: tiles_Q5_0(w, a, y, ldy, t0, t1); break;
-    case SSD_Q5_1: tiles_Q5_1(w, a, y, ldy, t0, t1); break;
-    case SSD_Q8_0: tiles_Q8_0(w, a, y, ldy, t0, t1); break;
-    case SSD_Q4_K: tiles_Q4_K(w, a, y, ldy, t0, t1); break;
-    case SSD_Q5_K: tiles_Q5_K(w, a, y, ldy, t0, t1); break;
-    case SSD_Q6_K: tiles_Q6_K(w, a, y, ldy, t0, t1); break;
-    default: break;
-    }
-}
+SSD_MATMUL_TILES(tiles_of_kind)
 
 /* the same quantization as scalar.c, 8 lanes at a time */
 static void quantize(const float *x, int64_t ldx, ssd_act *a) {

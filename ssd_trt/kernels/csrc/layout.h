@@ -75,4 +75,27 @@ static inline size_t ssd_kblock_bytes(int kind) {
     return (size_t)ssd_scale_bytes(kind) + (size_t)(ssd_kblock(kind) / SSD_SUB) * ssd_code_bytes(ssd_code_bits(kind));
 }
 
+/* a path's matmul_tiles: one function per kind, each its own instance of the path's always-inline
+   tiles_of_kind(kind, ...) with the kind a constant, chosen by the weight's kind */
+#define SSD_KIND_FN(PATH_FN, K) \
+    static void tiles_##K(const ssd_weight *w, const ssd_act *a, float *y, int64_t ldy, int t0, int t1) { \
+        PATH_FN(SSD_##K, w, a, y, ldy, t0, t1); \
+    }
+#define SSD_MATMUL_TILES(PATH_FN) \
+    SSD_KIND_FN(PATH_FN, Q4_0) SSD_KIND_FN(PATH_FN, Q4_1) SSD_KIND_FN(PATH_FN, Q5_0) SSD_KIND_FN(PATH_FN, Q5_1) \
+    SSD_KIND_FN(PATH_FN, Q8_0) SSD_KIND_FN(PATH_FN, Q4_K) SSD_KIND_FN(PATH_FN, Q5_K) SSD_KIND_FN(PATH_FN, Q6_K) \
+    static void matmul_tiles(const ssd_weight *w, const ssd_act *a, float *y, int64_t ldy, int t0, int t1) { \
+        switch (w->kind) { \
+        case SSD_Q4_0: tiles_Q4_0(w, a, y, ldy, t0, t1); break; \
+        case SSD_Q4_1: tiles_Q4_1(w, a, y, ldy, t0, t1); break; \
+        case SSD_Q5_0: tiles_Q5_0(w, a, y, ldy, t0, t1); break; \
+        case SSD_Q5_1: tiles_Q5_1(w, a, y, ldy, t0, t1); break; \
+        case SSD_Q8_0: tiles_Q8_0(w, a, y, ldy, t0, t1); break; \
+        case SSD_Q4_K: tiles_Q4_K(w, a, y, ldy, t0, t1); break; \
+        case SSD_Q5_K: tiles_Q5_K(w, a, y, ldy, t0, t1); break; \
+        case SSD_Q6_K: tiles_Q6_K(w, a, y, ldy, t0, t1); break; \
+        default: break; \
+        } \
+    }
+
 #endif

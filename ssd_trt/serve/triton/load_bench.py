@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ssd_trt.bench.artifact import write_artifact
+from ssd_trt.bench.artifact import pyplot, write_artifact
 from ssd_trt.bench.prompts import DEFAULT_PROMPTS, load_prompts
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
@@ -156,11 +156,8 @@ def plot_sweeps(lines: list[tuple[str, str, list[dict[str, Any]]]], path: Path, 
                 legend_size: float | None = None) -> Path | None:
     """Throughput and p99 latency by concurrency, one line per (label, line style, sweep points); the serving load
     benches' figure (None without matplotlib, an optional extra)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for label, style, points in lines:
