@@ -78,8 +78,10 @@ class Activations:
 
 class Kernels:
     """The library on one path (``"auto"``: the best this CPU runs) with a pool of ``threads`` threads (the caller's
-    and ``threads - 1`` workers, pinned to ``cores[1:]`` when given). Raises KernelBuildError when the library cannot
-    be built, ValueError when this CPU cannot run the path asked for."""
+    and ``threads - 1`` workers, pinned to ``cores[1:]`` when given; the caller's own thread is the caller's to pin).
+    One thread at a time calls a Kernels (its pool runs one job at a time): give each engine thread its own.
+    Raises KernelBuildError when the library cannot be built, ValueError when this CPU cannot run the path asked
+    for."""
 
     def __init__(self, path: str = "auto", threads: int = 1, cores: Sequence[int] | None = None,
                  spin_us: int = DEFAULT_SPIN_US) -> None:
