@@ -18,7 +18,6 @@ from ssd_trt.models.gguf_blocks import LAYOUTS, _fields, _scale_min
 TILE = 16
 SUB = 32
 GGML_TYPE = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
 CODE_BYTES = {4: 256, 5: 320, 6: 384, 8: 512}         # one sub-block's codes for 16 columns
 SCALE_BYTES = {"Q4_0": 32, "Q5_0": 32, "Q8_0": 32, "Q4_1": 64, "Q5_1": 64, "Q4_K": 320, "Q5_K": 320, "Q6_K": 288}
 KINDS = tuple(GGML_TYPE)
@@ -31,7 +30,7 @@ def kblock(kind: str) -> int:
 
 def tile_bytes(kind: str, k: int) -> int:
     """Bytes of one 16-column tile (``ssd_tile_bytes``)."""
-    per_block = SCALE_BYTES[kind] + kblock(kind) // SUB * CODE_BYTES[CODE_BITS[kind]]
+    per_block = SCALE_BYTES[kind] + kblock(kind) // SUB * CODE_BYTES[LAYOUTS[kind].code_bits]
     return k // kblock(kind) * per_block
 
 
@@ -117,7 +116,7 @@ def tile_gguf(raw: np.ndarray, kind: str, k: int) -> TiledWeight:
                              .view(np.uint8).reshape(t, kb, -1) for f in fields], axis=-1)
     assert scales.shape[-1] == SCALE_BYTES[kind], (kind, scales.shape)
     code_blocks = codes.reshape(t, TILE, kb, subs, SUB).transpose(0, 2, 3, 1, 4)
-    code_bytes = _group_bytes(np.ascontiguousarray(code_blocks), CODE_BITS[kind]).reshape(t, kb, -1)
+    code_bytes = _group_bytes(np.ascontiguousarray(code_blocks), LAYOUTS[kind].code_bits).reshape(t, kb, -1)
     tiles = np.concatenate([scales, code_bytes], axis=-1).reshape(-1)
     assert tiles.size == t * tile_bytes(kind, k)
     return TiledWeight(kind, k, n, np.ascontiguousarray(tiles))
