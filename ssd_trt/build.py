@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ssd_trt.errors import RecipeError, SsdTrtError
+from ssd_trt.kernels.artifact import CPU_TILES_FLAVOUR
 from ssd_trt.manifest import MANIFEST_NAME, ROLES, SCHEMA_VERSION, Manifest, artifact_entry, write_manifest
 from ssd_trt.recipe import Recipe, load_recipe
 
@@ -265,6 +266,10 @@ def _build(recipe: Recipe, recipe_path: Path, force: bool, root: Path | None, ba
             validation[f"{role}_rtx"] = validate_native(models[role], native_twins.pop(role),
                                                         out / role / "model.rtx.onnx", recipe, validate)
         bar.update()
+    for role in ROLES:
+        step(f"cpu tiles {role}")
+        files, validation[f"{role}_cpu_tiles"] = cpu_tiles(recipe, role, sources[role], configs[role], out)
+        artifacts += [{"role": role, "flavour": CPU_TILES_FLAVOUR, **artifact_entry(out, path)} for path in files]
     step("tensorrt")
     reduced_heads = {role: _reduced_head(models[role], configs[role]) for role in ROLES}
     del models, native_twins
@@ -285,6 +290,55 @@ def _build(recipe: Recipe, recipe_path: Path, force: bool, root: Path | None, ba
     write_manifest(out, manifest)
     (out / BUILDING_MARKER).unlink(missing_ok=True)
     return out
+
+
+def cpu_tiles(recipe: Recipe, role: str, source, config, out: Path) -> tuple[list[Path], dict]:
+    """The CPU kernel's artifact of a ``weights: gguf`` / ``activations: int8`` model (``kernels/artifact.py``), and
+    what the build says of it: written, checked against the ONNX Runtime graph, or why not."""
+    from ssd_trt.kernels.artifact import unsupported_reason, write_cpu_tiles
+    spec = getattr(recipe, role)
+    if spec.weights != "gguf" or spec.activations != "int8" or source.kind != "gguf":
+        return [], {"written": False, "reason": "the CPU kernel reads a GGUF file's blocks with int8 activations "
+                                                "(weights: gguf, activations: int8)"}
+    reason = unsupported_reason(config, feature_layers=role == "target" and recipe.draft.kind == "eagle3")
+    if reason:
+        return [], {"written": False, "reason": f"the native step does not cover {reason}"}
+    try:
+        files = write_cpu_tiles(source.path, config, out / role, recipe.engine.max_context + 1)
+    except ValueError as exc:
+        return [], {"written": False, "reason": str(exc)}
+    return files, {"written": True, **check_cpu_tiles(out / role, config, recipe.engine.max_context)}
+
+
+def check_cpu_tiles(folder: Path, config, max_context: int) -> dict:
+    """The native step against the role's ONNX Runtime graph (int8 activations both, quantized differently) on one
+    fixed sequence: the largest logit difference and how often the two agree on the top token. A wrong tile (a
+    permuted head, a misread field) shows as disagreement on most tokens: the build stops then."""
+    from ssd_trt.engines.base import EngineSpec
+    from ssd_trt.engines.kernel_engine import KernelEngine
+    from ssd_trt.engines.ort import OrtEngine
+    from ssd_trt.kernels.artifact import load_cpu_tiles
+    from ssd_trt.kernels.build import KernelBuildError
+    spec = EngineSpec(name=folder.name, vocab_size=config.vocab_size, num_layers=config.num_layers,
+                      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, max_batch=1, max_context=max_context)
+    try:
+        native = KernelEngine(load_cpu_tiles(folder), spec)
+    except (KernelBuildError, ValueError) as exc:
+        return {"checked": False, "reason": f"the kernel cannot run here: {exc}"}
+    import numpy as np
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, 32))
+    logits = []
+    for engine in (native, OrtEngine(folder / "model.ort.onnx", spec, int8_activations=True)):
+        engine.reset(1)
+        logits.append(engine.forward(ids, np.arange(ids.shape[1])[None])[0])
+    native.close()
+    agree = float((logits[0].argmax(-1) == logits[1].argmax(-1)).mean())
+    result = {"checked": True, "max_abs_difference_vs_ort": float(np.abs(logits[0] - logits[1]).max()),
+              "top1_agreement_vs_ort": round(agree, 3)}
+    if agree < 0.5:
+        raise SsdTrtError(f"{folder}: the CPU kernel's logits disagree with the ONNX Runtime graph's on {1 - agree:.0%} "
+                          f"of the check's tokens ({result}); the GGUF's layout is not one the tiles read right")
+    return result
 
 
 def build_for_torch(recipe: Recipe, recipe_path: Path, sources: dict, out: Path, force: bool, bases: tuple,

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, choices=BACKENDS,
                    help="ort | trt | torch (torch decoder + Triton kernel on a GPU, no TensorRT); default: the "
                         "build's choice (TensorRT when usable, else ONNX Runtime)")
+    p.add_argument("--no-cpu-kernel", action="store_true",
+                   help="on CPU, run ONNX Runtime's MatMulNBits graph instead of ssd-trt's own kernels")
     return p
 
 
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         settings = parse_mode(args.mode, lambda name: '--' + name.replace('_', '-'),
                                  draft_len=args.draft_len, tree_widths=parse_widths(args.tree_widths))
-        generator = ssd_trt.load(args.build_dir, RuntimeOptions(backend=args.backend))
+        generator = ssd_trt.load(args.build_dir, RuntimeOptions(backend=args.backend, cpu_kernel=not args.no_cpu_kernel))
         printer = TextPrinter(generator.tokenizer)
         [result] = generator.generate(args.prompt, params, mode=settings, chat=args.chat,
                                       on_tokens=None if args.json else printer)

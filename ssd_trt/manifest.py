@@ -25,7 +25,8 @@ MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 3
 ROLES = ("target", "draft")
 REQUIRED_FILES = ("model.ort.onnx",)                     # per role: the runtime cannot run without these
-LOADED_FILES = REQUIRED_FILES + ("weights.bin", "engine.plan", "engine.rtx.plan")   # per role: read when present
+# per role: read when present (cpu_tiles.*: the CPU kernel's artifact, kernels/artifact.py)
+LOADED_FILES = REQUIRED_FILES + ("weights.bin", "engine.plan", "engine.rtx.plan", "cpu_tiles.bin", "cpu_tiles.json")
 RANK_LOADED_FILES = ("engine.plan", "engine.rtx.plan")      # per tensor-parallel rank folder: read when present
 
 
@@ -51,7 +52,7 @@ class Artifact(_Strict):
     path: str
     sha256: str
     bytes: int
-    flavour: str | None = None            # ort | trt | rtx | weights | trt_weights | rtx_weights | engine
+    flavour: str | None = None            # ort | trt | rtx | weights | trt_weights | rtx_weights | engine | cpu_tiles
 
 
 class ProfileEntry(_Strict):
@@ -182,6 +183,10 @@ class Manifest(_Strict):
         if target != draft:
             raise ValueError(f"the draft vocabulary ({draft}) differs from the target's ({target})")
         return self
+
+    def artifact(self, role: str, flavour: str) -> Artifact | None:
+        """The role's first artifact of this flavour (None: the build wrote none)."""
+        return next((a for a in self.artifacts if a.role == role and a.flavour == flavour), None)
 
     def model(self, role: str) -> BuiltModel:
         return self.models[role]

@@ -32,6 +32,9 @@ class RuntimeOptions:
     backend: str | None = None              # None: the build's (TensorRT when usable, else ONNX Runtime)
     draft_timeout_s: float = 60.0           # a draft call that takes longer is abandoned (SSD)
     draft_copy: bool = True                 # use the draft's copy component when its config has one
+    # the CPU engine on ssd-trt's own kernels where the build has a model's tiles (engines/kernel_engine.py);
+    # False: ONNX Runtime's MatMulNBits graph (which refuses SD token trees on an int8 build: not row-exact)
+    cpu_kernel: bool = True
     # threads of the target's steps taken while the draft is idle (prefills, AR rounds, SD's verification,
     # SSD rounds whose speculation the load policy paused), on the target's and the draft's cores. None: one
     # per core of the two; at most target_threads: never more than placed. ONNX Runtime opens two more sessions

@@ -59,7 +59,8 @@ class Generator:
         except (OSError, ValueError) as exc:
             raise ArtifactError(f"tokenizer in {self.root / 'tokenizer'} cannot be loaded ({exc}); rebuild") from None
         self.engines = EngineSet(self.root, self.manifest, {role: self.options.placement(role) for role in ROLES},
-                                 self.options.backend, self.options.draft_copy, self.options.rank_timeout_s)
+                                 self.options.backend, self.options.draft_copy, self.options.rank_timeout_s,
+                                 self.options.cpu_kernel)
         self.vocab_size = self.manifest.model("target").config.vocab_size
         eos = self.manifest.model("target").config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -102,6 +103,12 @@ class Generator:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         resolved = self.resolve(mode, params)
+        if getattr(resolved.settings, "tree_widths", None) and not self.engine("target").exact_trees:
+            raise RequestError(
+                "SD token trees (tree_widths) are refused on this engine: the target runs ONNX Runtime's MatMulNBits "
+                "with int8 activations, whose results for two identical rows of one step can differ, so a tree could "
+                "leave autoregressive decoding's output. Use a chain (no tree_widths), or the CPU kernel engine "
+                "(RuntimeOptions(cpu_kernel=True), the default where the build has CPU tiles), or an fp32 build")
         return self.check_prompts(prompt_ids, params, resolved), resolved
 
     def generate(self, prompts: str | bytes | Sequence[str | bytes], params: SamplingParams | None = None,

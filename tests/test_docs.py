@@ -63,6 +63,15 @@ def test_the_kernel_table_is_the_rendering_of_the_kernel_bench_artifact():
     assert not missing, f"docs/kernels.md lacks lines of the kernel bench's table: {missing[:2]}"
 
 
+def test_the_step_table_is_the_rendering_of_the_step_bench_artifact():
+    import json
+    from ssd_trt.bench.steps import table
+    rendered = table(json.loads((ROOT / "docs/bench/steps/steps.json").read_text()))
+    page = (ROOT / "docs/kernels.md").read_text()
+    missing = [line for line in rendered.splitlines() if line.strip() and line not in page]
+    assert not missing, f"docs/kernels.md lacks lines of the step bench's table: {missing[:2]}"
+
+
 def test_the_load_bench_pools_its_passes_by_tokens_over_wall_time():
     from ssd_trt.serve.triton.load_bench import pooled
     point = {"concurrency": 4, "mode": "ssd", "max_tokens": 64, "requests": 32, "generated_tokens": 2048}

@@ -87,15 +87,17 @@ def test_generate_cli_reports_ssd_statistics(smollm2_build):
     assert stats["verify_overlap_fraction"] is not None and stats["draft_failures"] == []
 
 
-def test_steps_on_the_draft_cores_too_compute_the_same_logits_bit_for_bit(smollm2_build):
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "ort"])
+def test_steps_on_the_draft_cores_too_compute_the_same_logits_bit_for_bit(smollm2_build, cpu_kernel):
     """The target's steps taken while the draft is idle run on two-thread sessions over the same KV buffers
     (``Engine.alone``: one whose threads stop spinning after each step, one whose threads spin on). Greedy output
     may only stay identical if those sessions' logits equal the one-core session's exactly: checked at the shapes
     the engine step runs (1 to 16 rows, 1 to 5 tokens, a prefill), the three sessions taking turns on one cache, in
-    every rotation (each step once by each)."""
-    gen = ssd_trt.load(smollm2_build)
+    every rotation (each step once by each). The CPU kernel engine's wider pools alike (``kernel_engine.py``)."""
+    gen = ssd_trt.load(smollm2_build, ssd_trt.RuntimeOptions(cpu_kernel=cpu_kernel))
     target = gen.engine("target")
-    assert set(target.alone_sessions) == {False, True}, "the default placement (target core 0, draft core 1) lends core 1"
+    wide = target.alone_pools if cpu_kernel else target.alone_sessions
+    assert set(wide) == {False, True}, "the default placement (target core 0, draft core 1) lends core 1"
     rng = np.random.default_rng(3)
     sessions = [None, False, True]           # the one-core session, alone, alone spinning
     for rows in (1, 3, 16):

@@ -21,7 +21,8 @@ from record import build_info, default_chat_prompts, header, pair_prompts, write
 
 MODES = {"sd (build default)": "sd", "sd K=2": SD(draft_len=2), "ssd (default, adaptive)": "ssd",
          "ssd K=1 B=2": SSD(draft_len=1, fan_out_budget=2), "ssd K=3 B=1": SSD(draft_len=3, fan_out_budget=1),
-         "ssd K=4 B=2": SSD(draft_len=4, fan_out_budget=2)}
+         "ssd K=4 B=2": SSD(draft_len=4, fan_out_budget=2), "sd tree (2, 2)": SD(tree_widths=(2, 2)),
+         "sd tree (3, 2, 1)": SD(tree_widths=(3, 2, 1))}
 STAT_KEYS = ("mode", "draft_len", "rounds", "mean_accepted", "acceptance_rate", "cache_hit_rate", "backup_rounds",
              "draft_failures", "fallback", "policy", "fan_out", "tokens_per_s", "elapsed_s")
 

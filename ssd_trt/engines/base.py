@@ -59,6 +59,8 @@ class EngineDefaults:
     """The optional members of every engine, plain by default; an engine whose step does more says so by
     overriding them, so nothing probes for them.
 
+    * ``exact_trees``: a token tree's tokens get the logits they would get one at a time, so SD token trees are as
+      lossless as chains (False on ONNX Runtime's int8-activation graph: ``Generator.check_request`` refuses trees).
     * :meth:`alone`: steps taken inside it may use the cores of a model that is idle meanwhile (the ONNX Runtime
       target's wider sessions: ``engines/ort.py``); ``spin``: the other model stays idle after them too (no job of
       its follows soon), so the step's threads may keep spinning between steps. Elsewhere they run as placed.
@@ -72,6 +74,7 @@ class EngineDefaults:
     * a draft that accepts the target's features of verified tokens: ``takes_target_features`` and
       :meth:`receive_target_features` (``FeatureDraftEngine``, and the wrappers around one).
     """
+    exact_trees: bool = True     # a token's logits in a tree step equal its logits alone (False: trees are refused)
     has_features: bool = False
     last_features: np.ndarray | None = None
     extra_widths: Mapping[str, int] = MappingProxyType({})

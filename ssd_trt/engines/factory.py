@@ -10,6 +10,7 @@ The draft is wrapped in its copy component when its config carries one (``copy_m
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from ssd_trt.engines.base import Engine, EngineSpec
 from ssd_trt.engines.copy_mixture import CopyMixture, CopyMixtureEngine
 from ssd_trt.engines.placement import ModelPlacement
 from ssd_trt.errors import ArtifactError, ConfigError, SsdTrtError
+from ssd_trt.kernels.artifact import CPU_TILES_FLAVOUR
 from ssd_trt.manifest import Manifest
 
 
@@ -38,9 +40,12 @@ class EngineSet:
     """The engines of one build, opened on first use and kept (one per role), and how they were chosen."""
 
     def __init__(self, root: Path, manifest: Manifest, placements: dict[str, ModelPlacement],
-                 backend: str | None = None, draft_copy: bool = True, rank_timeout_s: float = 30.0) -> None:
-        """``rank_timeout_s``: how long a tensor-parallel target's ranks may take to answer one call."""
+                 backend: str | None = None, draft_copy: bool = True, rank_timeout_s: float = 30.0,
+                 cpu_kernel: bool = True) -> None:
+        """``rank_timeout_s``: how long a tensor-parallel target's ranks may take to answer one call; ``cpu_kernel``:
+        on the ort backend, run a model whose build has CPU tiles on ssd-trt's own kernels (``kernel_engine.py``)."""
         self.root, self.manifest, self.placements = Path(root), manifest, placements
+        self.cpu_kernel = cpu_kernel
         self.rank_timeout_s = rank_timeout_s
         self.wanted = backend or manifest.recipe.engine.backend
         self.copy_mixture = copy_mixture_of(manifest, root) if draft_copy else None
@@ -53,7 +58,7 @@ class EngineSet:
             backend = self.backend(role)
             self.opened[role] = open_engine(self.root, self.manifest, role, self.placements[role], backend,
                                             self.editions.get(role, (None, ""))[0], self.copy_mixture,
-                                            self.rank_timeout_s)
+                                            self.rank_timeout_s, self.cpu_kernel)
         return self.opened[role]
 
     def backend(self, role: str) -> str:
@@ -159,11 +164,11 @@ def free_slots(engines) -> None:
 
 def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
                 edition: str | None = None, copy_mixture: CopyMixture | None = None,
-                rank_timeout_s: float = 30.0) -> Engine:
+                rank_timeout_s: float = 30.0, cpu_kernel: bool = True) -> Engine:
     """The role's engine on ``backend`` (ort | trt | torch), placed as asked; ``edition``: which TensorRT plan.
     The one place engine wrappers are stacked: a feature (EAGLE-3) draft's backend engine inside
     ``FeatureDraftEngine`` (which features each token carries), then the draft's copy component around it."""
-    engine = _backend_engine(root, manifest, role, placement, backend, edition, rank_timeout_s)
+    engine = _backend_engine(root, manifest, role, placement, backend, edition, rank_timeout_s, cpu_kernel)
     if role != "draft":
         return engine
     if manifest.recipe.draft.kind == "eagle3":
@@ -172,7 +177,7 @@ def open_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlace
 
 
 def _backend_engine(root: Path, manifest: Manifest, role: str, placement: ModelPlacement, backend: str,
-                    edition: str | None, rank_timeout_s: float = 30.0) -> Engine:
+                    edition: str | None, rank_timeout_s: float = 30.0, cpu_kernel: bool = True) -> Engine:
     spec = engine_spec(manifest, role)
     if backend == "torch":
         return _torch_engine(manifest, role, rank_timeout_s)
@@ -188,11 +193,30 @@ def _backend_engine(root: Path, manifest: Manifest, role: str, placement: ModelP
                                 f"{manifest.rebuild_hint}")
         return TensorRTEngine(Path(root) / plan.path, spec, name=role, placement=_gpu_placement(manifest, role),
                               edition=plan.edition)
+    if cpu_kernel and manifest.artifact(role, CPU_TILES_FLAVOUR) is not None:
+        engine = _kernel_engine(root, role, spec, placement)
+        if engine is not None:
+            return engine
     from ssd_trt.engines.ort import OrtEngine
     return OrtEngine(Path(root) / role / "model.ort.onnx", spec, placement.threads, placement.cores,
                      spin=placement.spin,
                      int8_activations=getattr(manifest.recipe, role).activations == "int8",
                      alone_threads=placement.alone_threads, alone_cores=placement.alone_cores)
+
+
+def _kernel_engine(root: Path, role: str, spec: EngineSpec, placement: ModelPlacement) -> Engine | None:
+    """The role on ssd-trt's CPU kernels (``kernel_engine.py``), or None with one line on stderr saying why it keeps
+    ONNX Runtime's MatMulNBits (the library cannot be built here, or this CPU cannot run it)."""
+    from ssd_trt.engines.kernel_engine import KernelEngine
+    from ssd_trt.kernels.artifact import load_cpu_tiles
+    from ssd_trt.kernels.build import KernelBuildError
+    tiles = load_cpu_tiles(Path(root) / role)
+    try:
+        return KernelEngine(tiles, spec, placement.threads, placement.cores, spin=placement.spin,
+                            alone_threads=placement.alone_threads, alone_cores=placement.alone_cores)
+    except (KernelBuildError, ValueError) as exc:
+        print(f"ssd-trt: the {role} runs on ONNX Runtime's MatMulNBits, not the CPU kernel: {exc}", file=sys.stderr)
+        return None
 
 
 def feature_draft_engine(engine, root: Path) -> Engine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import ContextManager, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from ssd_trt.engines.base import EAGLE3_INPUTS, EAGLE3_OUTPUT_HIDDEN, GRAPH_META
     GRAPH_OUTPUT_FEATURES, GRAPH_OUTPUT_LOGITS, EngineDefaults, EngineSpec, all_indices, check_room, checked_rollback, \
     past_names, present_names
 from ssd_trt.engines.kv_cache import KVCache
-from ssd_trt.engines.rows import check_order
+from ssd_trt.engines.rows import CacheRows, check_order
 
 
 class OrtEngine(EngineDefaults):
@@ -70,6 +70,8 @@ class OrtEngine(EngineDefaults):
         self._alone: bool | None = None                # inside alone(): whether its threads may spin
         self.attends_twice = GRAPH_META_ONE_TOKEN_TWICE in self.session.get_modelmeta().custom_metadata_map
         self.pad_single_rows = int8_activations and not self.attends_twice
+        # MatMulNBits' int8 path can give two identical rows of one step different results (a tree's siblings)
+        self.exact_trees = not int8_activations
         scratch_slot = self.attends_twice or self.pad_single_rows
         self._cache_spec = replace(spec, max_context=spec.max_context + 1) if scratch_slot else spec
         # a target exported for a feature draft also returns its hidden states: kept per step, for the draft
@@ -129,9 +131,9 @@ class OrtEngine(EngineDefaults):
         elif self.cache.select_rows(order):    # rows moved in place keep their bindings; new buffers do not
             self._bindings = {}
 
-    def rows(self, start: int, stop: int) -> "OrtRows":
+    def rows(self, start: int, stop: int) -> CacheRows:
         """Rows ``start .. stop-1`` alone: a step of the view computes those rows only, in place in the cache."""
-        return OrtRows(self, start, stop)
+        return CacheRows(self, start, stop)
 
     def _binding_for(self, start: int, stop: int):
         """The IO binding of rows ``start .. stop-1``: each past buffer's slice bound as its present too
@@ -228,54 +230,6 @@ class OrtEngine(EngineDefaults):
 
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         self.cache.keep(row, start, offsets)
-
-
-class OrtRows(EngineDefaults):
-    """Rows ``start .. stop-1`` of an :class:`OrtEngine`'s batch as an engine of their own (``engines/rows.py``):
-    its steps run those rows only, on their slice of the shared cache."""
-
-    def __init__(self, parent: OrtEngine, start: int, stop: int) -> None:
-        self.parent, self.start, self.stop = parent, start, stop
-        self.spec = parent.spec
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self.parent.cache.lengths[self.start:self.stop].copy()
-
-    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
-                logit_indices: np.ndarray | None = None,
-                extra: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
-        return self.parent.forward_rows(self.start, self.stop, input_ids, position_ids, tree_mask, logit_indices,
-                                        extra)
-
-    # a feature pair's members: the parent's last step ran these rows only
-    @property
-    def has_features(self) -> bool:
-        return self.parent.has_features
-
-    @property
-    def last_features(self) -> np.ndarray | None:
-        return self.parent.last_features
-
-    @property
-    def extra_widths(self) -> Mapping[str, int]:
-        return self.parent.extra_widths
-
-    @property
-    def last_hidden(self) -> np.ndarray | None:
-        return self.parent.last_hidden
-
-    def alone(self, spin: bool = False) -> ContextManager[None]:
-        return self.parent.alone(spin)
-
-    def rollback(self, lengths: np.ndarray) -> None:
-        cache = self.parent.cache
-        cache.lengths[self.start:self.stop] = checked_rollback(cache.lengths[self.start:self.stop], lengths)
-
-    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
-        if not 0 <= row < self.stop - self.start:
-            raise ValueError(f"row must be in [0, {self.stop - self.start}), got {row}")
-        self.parent.cache.keep(self.start + row, start, offsets)
 
 
 def _session_options(ort, threads: int, cores: tuple[int, ...] | None, spin: bool, int8_activations: bool):

@@ -7,7 +7,7 @@
   prefill of the sequences that just joined, or a draft step of the rows that draft, pays for those rows alone.
   :class:`PaddedRows` is the view any engine gets by default: it runs the whole batch and pads the other rows
   with a discarded token (right on a GPU, where a step's cost barely depends on its rows); the ONNX Runtime
-  engine has a native view that runs the slice only (``engines/ort.py``).
+  engine and the native CPU engine have a view that runs the slice only (:class:`CacheRows`).
 """
 from __future__ import annotations
 
@@ -105,3 +105,52 @@ class PaddedRows(EngineDefaults):
     def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
         check_keep(self.lengths, row, start, np.asarray(offsets, dtype=np.int64))
         self.parent.keep(self.start + row, start, offsets)
+
+
+class CacheRows(EngineDefaults):
+    """Rows ``start .. stop-1`` of an engine that owns a :class:`~ssd_trt.engines.kv_cache.KVCache` (ONNX Runtime's,
+    the native CPU engine) as an engine of their own: its steps run those rows only (the parent's ``forward_rows``),
+    on their slice of the shared cache."""
+
+    def __init__(self, parent, start: int, stop: int) -> None:
+        self.parent, self.start, self.stop = parent, start, stop
+        self.spec = parent.spec
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.parent.cache.lengths[self.start:self.stop].copy()
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray | None = None,
+                logit_indices: np.ndarray | None = None,
+                extra: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        return self.parent.forward_rows(self.start, self.stop, input_ids, position_ids, tree_mask, logit_indices,
+                                        extra)
+
+    # a feature pair's members: the parent's last step ran these rows only
+    @property
+    def has_features(self) -> bool:
+        return self.parent.has_features
+
+    @property
+    def last_features(self) -> np.ndarray | None:
+        return self.parent.last_features
+
+    @property
+    def extra_widths(self) -> Mapping[str, int]:
+        return self.parent.extra_widths
+
+    @property
+    def last_hidden(self) -> np.ndarray | None:
+        return self.parent.last_hidden
+
+    def alone(self, spin: bool = False) -> ContextManager[None]:
+        return self.parent.alone(spin)
+
+    def rollback(self, lengths: np.ndarray) -> None:
+        cache = self.parent.cache
+        cache.lengths[self.start:self.stop] = checked_rollback(cache.lengths[self.start:self.stop], lengths)
+
+    def keep(self, row: int, start: int, offsets: Sequence[int]) -> None:
+        if not 0 <= row < self.stop - self.start:
+            raise ValueError(f"row must be in [0, {self.stop - self.start}), got {row}")
+        self.parent.cache.keep(self.start + row, start, offsets)

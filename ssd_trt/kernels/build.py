@@ -22,6 +22,7 @@ FLAGS = {
     "avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "dispatch.c": [],
     "pool.c": [],
+    "step.c": ["-mavx2", "-mfma", "-mf16c"],     # the native engine opens only where the avx2 path runs
 }
 LIBRARY = "libssd_kernels.so"
 

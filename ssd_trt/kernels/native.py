@@ -38,6 +38,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ssd_matmul.restype, lib.ssd_matmul.argtypes = None, [p, i, p, p, p, i64, p]
     lib.ssd_dequantize.restype, lib.ssd_dequantize.argtypes = None, [p, p, i64]
     lib.ssd_matmul_each.restype, lib.ssd_matmul_each.argtypes = None, [p, i, p, p, p, p]
+    lib.ssd_dequantize_column.restype, lib.ssd_dequantize_column.argtypes = None, [p, i, p]
+    lib.ssd_step.restype, lib.ssd_step.argtypes = i, [p, p, p]
     return lib
 
 
@@ -165,6 +167,19 @@ class Kernels:
                                   pointers(*[x.ctypes.data for x in xs]),
                                   (ctypes.POINTER(_Act) * count)(*[ctypes.pointer(a.struct) for a in acts]),
                                   pointers(*[o.ctypes.data for o in outs]))
+
+    def dequantize_column(self, weight: NativeWeight, n: int) -> np.ndarray:
+        """Column ``n`` of W [K] (an embedding row of a tiled token embedding)."""
+        if not 0 <= n < weight.n:
+            raise ValueError(f"column {n} is outside [0, {weight.n})")
+        out = np.empty(weight.k, np.float32)
+        self._lib.ssd_dequantize_column(ctypes.byref(weight.struct), n, out.ctypes.data)
+        return out
+
+    def run_step(self, model: ctypes.Structure, args: ctypes.Structure) -> None:
+        """One decoder step (``csrc/ssd_step.h``) on this pool: ``kernels/step.py`` fills the structures."""
+        if self._lib.ssd_step(self._pool, ctypes.byref(model), ctypes.byref(args)):
+            raise MemoryError("the native step could not allocate its buffers")
 
     def dequantize(self, weight: NativeWeight) -> np.ndarray:
         """W [K, N] fp32 from the tiles (the reference the tests hold to gguf's dequantization)."""

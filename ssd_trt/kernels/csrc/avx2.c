@@ -87,7 +87,8 @@ static inline __attribute__((always_inline)) void half_rows(const int kind, cons
     const size_t kblock_bytes = ssd_kblock_bytes(kind);
     const int64_t row_blocks = a->k / SSD_SUB;
     const int c0 = 8 * h;
-    __m256 acc[ROWS];
+    __m256 acc[ROWS];      /* in registers: every loop over the rows is unrolled, rows a constant */
+    #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
         acc[r] = _mm256_setzero_ps();
     for (int kb = 0; kb < kblocks; kb++) {
@@ -114,6 +115,7 @@ static inline __attribute__((always_inline)) void half_rows(const int kind, cons
                 const __m256 s1 = _mm256_mul_ps(d, i8x8(sp + 32 + (2 * j + 1) * 16 + c0));
                 const __m256 m0 = _mm256_mul_ps(s0, _mm256_set1_ps(-32.0f));
                 const __m256 m1 = _mm256_mul_ps(s1, _mm256_set1_ps(-32.0f));
+                #pragma GCC unroll 4
                 for (int r = 0; r < rows; r++) {
                     const int8_t *xq = a->q + (int64_t)(r0 + r) * a->k + b * SSD_SUB;
                     __m256i t0 = dot4(bits, g[0], bcast4(xq)), t1 = dot4(bits, g[4], bcast4(xq + 16));
@@ -136,6 +138,7 @@ static inline __attribute__((always_inline)) void half_rows(const int kind, cons
                 sv = _mm256_mul_ps(d, u8x8(sp + 64 + j * 16 + c0));
                 mv = _mm256_xor_ps(_mm256_mul_ps(base_m, u8x8(sp + 64 + 128 + j * 16 + c0)), _mm256_set1_ps(-0.0f));
             }
+            #pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
                 const int8_t *xq = a->q + (int64_t)(r0 + r) * a->k + b * SSD_SUB;
                 __m256i t0 = dot4(bits, g[0], bcast4(xq)), t1 = dot4(bits, g[1], bcast4(xq + 4));
@@ -153,6 +156,7 @@ static inline __attribute__((always_inline)) void half_rows(const int kind, cons
             }
         }
     }
+    #pragma GCC unroll 4
     for (int r = 0; r < rows; r++) {
         if (ncols >= c0 + 8) {
             _mm256_storeu_ps(y + (r0 + r) * ldy + c0, acc[r]);

@@ -133,7 +133,8 @@ static inline __attribute__((always_inline)) void tile_few_rows(const int kind, 
     const int bits = ssd_code_bits(kind), subs = ssd_kblock(kind) / SSD_SUB, code_bytes = ssd_code_bytes(bits);
     const int scale_bytes = ssd_scale_bytes(kind), kblocks = w->k / ssd_kblock(kind);
     const size_t kblock_bytes = ssd_kblock_bytes(kind);
-    __m512 acc[DIRECT];
+    __m512 acc[DIRECT];     /* in registers: every loop over the rows is unrolled, rows a constant */
+#pragma GCC unroll 8
     for (int i = 0; i < DIRECT; i++)
         acc[i] = _mm512_setzero_ps();
     for (int kb = 0; kb < kblocks; kb++) {
@@ -146,12 +147,14 @@ static inline __attribute__((always_inline)) void tile_few_rows(const int kind, 
             __m512 sv[2], mv[2];
             unpack(bits, codes, g);
             scales(kind, sp, j, sv, mv);
+#pragma GCC unroll 8
             for (int i = 0; i < DIRECT; i++)
                 if (i < rows)
                     acc[i] = row_step(kind, g, a, r0 + i, (int64_t)kb * subs + j, sv, mv, acc[i]);
         }
     }
     const __mmask16 keep = ncols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
+#pragma GCC unroll 8
     for (int i = 0; i < DIRECT; i++)
         if (i < rows)
             _mm512_mask_storeu_ps(y + (r0 + i) * ldy, keep, acc[i]);

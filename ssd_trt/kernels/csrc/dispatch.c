@@ -3,6 +3,7 @@
 #include <cpuid.h>
 #include <string.h>
 #include "layout.h"
+#include "ssd_step.h"
 
 size_t ssd_tile_bytes(int kind, int k) {
     if (ssd_code_bits(kind) == 0 || k <= 0 || k % ssd_kblock(kind))
@@ -50,21 +51,28 @@ const ssd_isa *ssd_isa_find(const char *name) {
     return NULL;
 }
 
-void ssd_dequantize(const ssd_weight *w, float *out, int64_t ldw) {
+/* weight k of column n */
+static float weight_at(const ssd_weight *w, int n, int k) {
     const int kind = w->kind, bits = ssd_code_bits(kind);
-    const size_t tile_bytes = ssd_tile_bytes(kind, w->k), kblock_bytes = ssd_kblock_bytes(kind);
-    for (int n = 0; n < w->n; n++) {
-        const int t = n / SSD_TILE, c = n % SSD_TILE;
-        for (int k = 0; k < w->k; k++) {
-            const int kb = k / ssd_kblock(kind), j = (k % ssd_kblock(kind)) / SSD_SUB, i = k % SSD_SUB;
-            const uint8_t *sp = w->tiles + t * tile_bytes + kb * kblock_bytes;
-            const uint8_t *codes = sp + ssd_scale_bytes(kind) + j * ssd_code_bytes(bits);
-            float s, m;
-            ssd_scale_at(kind, sp, j, i >= 16, c, &s, &m);
-            /* as ggml / gguf compute it: d (q - c) for the symmetric kinds (exact, signed zeros included), else
-               s u + m: s u is exact in fp32, + m rounds once as ggml's d q + m and (d sc) q - dmin m do */
-            const int u = ssd_code_at(bits, codes, c, i), centre = ssd_centre(kind);
-            out[k * ldw + n] = centre ? s * (float)(u - centre) : s * (float)u + m;
-        }
-    }
+    const int t = n / SSD_TILE, c = n % SSD_TILE;
+    const int kb = k / ssd_kblock(kind), j = (k % ssd_kblock(kind)) / SSD_SUB, i = k % SSD_SUB;
+    const uint8_t *sp = w->tiles + t * ssd_tile_bytes(kind, w->k) + kb * ssd_kblock_bytes(kind);
+    const uint8_t *codes = sp + ssd_scale_bytes(kind) + j * ssd_code_bytes(bits);
+    float s, m;
+    ssd_scale_at(kind, sp, j, i >= 16, c, &s, &m);
+    /* as ggml / gguf compute it: d (q - c) for the symmetric kinds (exact, signed zeros included), else
+       s u + m: s u is exact in fp32, + m rounds once as ggml's d q + m and (d sc) q - dmin m do */
+    const int u = ssd_code_at(bits, codes, c, i), centre = ssd_centre(kind);
+    return centre ? s * (float)(u - centre) : s * (float)u + m;
+}
+
+void ssd_dequantize(const ssd_weight *w, float *out, int64_t ldw) {
+    for (int n = 0; n < w->n; n++)
+        for (int k = 0; k < w->k; k++)
+            out[k * ldw + n] = weight_at(w, n, k);
+}
+
+void ssd_dequantize_column(const ssd_weight *w, int n, float *out) {
+    for (int k = 0; k < w->k; k++)
+        out[k] = weight_at(w, n, k);
 }
