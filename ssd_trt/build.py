@@ -336,7 +336,8 @@ def check_cpu_tiles(folder: Path, config, max_context: int) -> dict:
     result = {"checked": True, "max_abs_difference_vs_ort": float(np.abs(logits[0] - logits[1]).max()),
               "top1_agreement_vs_ort": round(agree, 3)}
     if agree < 0.5:
-        raise SsdTrtError(f"{folder}: the CPU kernel's logits disagree with the ONNX Runtime graph's on {1 - agree:.0%} "
+        raise SsdTrtError(f"{folder}: the CPU kernel's logits disagree with the ONNX Runtime graph's on "
+                          f"{1 - agree:.0%} "
                           f"of the check's tokens ({result}); the GGUF's layout is not one the tiles read right")
     return result
 

@@ -36,8 +36,9 @@ def _fp32_logits(smollm2_build, ids: np.ndarray) -> np.ndarray:
     c = model.config
     caches = [torch.zeros(1, c.num_kv_heads, ids.shape[1], c.head_dim) for _ in range(2 * c.num_layers)]
     with torch.no_grad():
-        return model(torch.tensor(ids), torch.arange(ids.shape[1])[None], torch.tensor(causal_tree_mask(1, ids.shape[1])),
-                     torch.zeros(1, dtype=torch.int32), *caches)[0][0].numpy()
+        mask = torch.tensor(causal_tree_mask(1, ids.shape[1]))
+        return model(torch.tensor(ids), torch.arange(ids.shape[1])[None], mask, torch.zeros(1, dtype=torch.int32),
+                     *caches)[0][0].numpy()
 
 
 def test_the_kernel_step_is_as_close_to_the_fp32_model_as_onnx_runtimes_int8_graph(smollm2_build, target):

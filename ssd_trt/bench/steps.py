@@ -8,8 +8,8 @@ medians over the rounds:
 
 * ``kernel``: the target on ``engines/kernel_engine.py`` (the build's CPU tiles); ``ort``: the same target on ONNX
   Runtime's int8-activation graph (``engines/ort.py``, what ``cpu_kernel=False`` runs);
-* ``decode``: one-token steps on one row holding ``--depth`` tokens (ms a token; tok/s = 1000 / ms); ``verify T``: a step
-  of T tokens on the same row (what verifying T - 1 drafted tokens costs); ``prefill``: ``--prompt`` tokens into an
+* ``decode``: one-token steps on one row holding ``--depth`` tokens (ms a token; tok/s = 1000 / ms); ``verify T``: a
+  step of T tokens on the same row (what verifying T - 1 drafted tokens costs); ``prefill``: ``--prompt`` tokens into an
   empty row (the time to first token without tokenization);
 * ``llama.cpp``: ``llama-bench -p 0 -n 32 -d DEPTH`` (its decode, ms a token) and ``llama-bench -p PROMPT -n 0`` (its
   prompt processing), same threads, same cores.

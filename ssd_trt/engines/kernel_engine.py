@@ -25,15 +25,20 @@ from ssd_trt.kernels.artifact import CpuTiles
 from ssd_trt.kernels.native import DEFAULT_SPIN_US, Kernels
 from ssd_trt.kernels.step import ModelStep
 
+# microseconds a pool's workers poll for the next matmul before they sleep, where the cores are shared (or the
+# other model's job follows on them): long enough to bridge the gaps between one step's matmuls (its norms and
+# attention, tens of microseconds at decode), short enough to leave the core soon after the step
+SHARED_SPIN_US = 50
+
 
 class KernelEngine(EngineDefaults):
     def __init__(self, tiles: CpuTiles, spec: EngineSpec, threads: int = 1, cores: Sequence[int] | None = None,
                  spin: bool = True, alone_threads: int = 1, alone_cores: Sequence[int] | None = None,
                  path: str = "auto") -> None:
         """``tiles``: the build's artifact (``kernels/artifact.py``); ``spin``: the pool's workers poll between
-        steps for a while (off when another model shares the cores); ``path``: the kernel path (``auto``: the best
-        this CPU runs). Raises KernelBuildError when the library cannot be built, ValueError when this CPU
-        cannot run it."""
+        steps for a while (else only between one step's matmuls, ``SHARED_SPIN_US``: another model shares the
+        cores); ``path``: the kernel path (``auto``: the best this CPU runs). Raises KernelBuildError when the
+        library cannot be built, ValueError when this CPU cannot run it."""
         self.spec = spec
         self.step = ModelStep(tiles)
         if tiles.shape["num_layers"] != spec.num_layers or tiles.shape["vocab_size"] != spec.vocab_size:
@@ -41,7 +46,7 @@ class KernelEngine(EngineDefaults):
         if self.step.positions < spec.max_context:
             raise ValueError(f"{spec.name}: the CPU tiles' rotary table has {self.step.positions} positions, the "
                              f"engine's context is {spec.max_context}; rebuild")
-        self.pool = Kernels(path, threads, _cores(cores, threads), DEFAULT_SPIN_US if spin else 0)
+        self.pool = Kernels(path, threads, _cores(cores, threads), DEFAULT_SPIN_US if spin else SHARED_SPIN_US)
         if "avx2" not in self.pool.available_paths():
             raise ValueError("the native step needs AVX2 and FMA, which this CPU lacks")
         self.path = self.pool.path
@@ -50,7 +55,7 @@ class KernelEngine(EngineDefaults):
         if alone_threads > threads:
             for spinning in (False, True):
                 self.alone_pools[spinning] = Kernels(path, alone_threads, _cores(alone_cores, alone_threads),
-                                                     DEFAULT_SPIN_US if spinning else 0)
+                                                     DEFAULT_SPIN_US if spinning else SHARED_SPIN_US)
         self._alone: bool | None = None
         self.cache: KVCache | None = None
         self._addresses: dict = {}
