@@ -79,8 +79,7 @@ class KernelEngine(EngineDefaults):
         if self.cache is None:
             check_order(order, 0)
             self.reset(len(order))
-        else:
-            self.cache.select_rows(order)
+        elif self.cache.select_rows(order):    # rows moved in place keep their addresses; new buffers do not
             self._addresses = {}
 
     def rows(self, start: int, stop: int) -> CacheRows:
