@@ -1,5 +1,7 @@
+"""``python -m ssd_trt COMMAND ...``: the ``ssd-trt`` command (``ssd_trt/cli.py``)."""
 import sys
 
-print("usage: python -m ssd_trt.build RECIPE | python -m ssd_trt.generate BUILD_DIR | "
-      "python -m ssd_trt.bench BUILD_DIR", file=sys.stderr)
-sys.exit(2)
+from ssd_trt.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,7 +6,6 @@ the ORT flavour with Polygraphy -> build TensorRT engines when TensorRT and a GP
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import shutil
@@ -16,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ssd_trt.arguments import ArgumentParser
 from ssd_trt.errors import RecipeError, SsdTrtError
 from ssd_trt.kernels.artifact import CPU_TILES_FLAVOUR
 from ssd_trt.manifest import MANIFEST_NAME, ROLES, SCHEMA_VERSION, Manifest, artifact_entry, write_manifest
@@ -457,8 +457,8 @@ def _jsonable(value: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     from ssd_trt.sizing.cli import CONFIGS_HELP, EPILOG, GPU_MEMORY_HELP
-    parser = argparse.ArgumentParser(prog="python -m ssd_trt.build", description=__doc__.splitlines()[0],
-                                     epilog=f"--plan's {EPILOG}")
+    parser = ArgumentParser(prog="python -m ssd_trt.build", description=__doc__.splitlines()[0],
+                            epilog=f"--plan's {EPILOG}")
     parser.add_argument("recipe", type=Path, help="recipe YAML, e.g. recipes/smollm2-135m.yaml")
     parser.add_argument("--force", action="store_true", help="replace an output dir built from another recipe")
     parser.add_argument("--if-stale", action="store_true",

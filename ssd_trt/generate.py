@@ -10,17 +10,22 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
+from ssd_trt.arguments import ArgumentParser
 from ssd_trt.detokenize import Detokenizer
 from ssd_trt.errors import SsdTrtError
 from ssd_trt.decoding.settings import DEFAULT_MODE, MODES, parse_mode
 from ssd_trt.runtime import BACKENDS, RuntimeOptions
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ssd_trt.generate", description=__doc__.splitlines()[0])
-    p.add_argument("build_dir", type=Path, help="a directory made by `python -m ssd_trt.build`")
-    p.add_argument("--prompt", required=True, help="prompt text, tokenized as-is unless --chat")
+def parser(prog: str = "python -m ssd_trt.generate", model_metavar: str = "BUILD_DIR",
+           model_help: str = "a directory made by `python -m ssd_trt.build`",
+           prompt_required: bool = True) -> argparse.ArgumentParser:
+    """The command line; ``ssd-trt generate`` (``from_files/cli.py``) extends it with the model-file flags."""
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("build_dir", type=Path, metavar=model_metavar, help=model_help)
+    p.add_argument("--prompt", required=prompt_required, help="prompt text, tokenized as-is unless --chat")
     p.add_argument("--mode", default=DEFAULT_MODE, choices=MODES,
                    help=f"ar | sd (speculative) | ssd (Saguaro); default {DEFAULT_MODE}")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -68,14 +73,19 @@ def parse_widths(text: str | None) -> tuple[int, ...] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    return run(parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace, runtime: dict[str, Any] | None = None) -> int:
+    """Generate as ``args`` (of :func:`parser`) say; ``runtime``: further RuntimeOptions fields (threads, cores)."""
     try:
         import ssd_trt
         params = ssd_trt.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         settings = parse_mode(args.mode, lambda name: '--' + name.replace('_', '-'),
                                  draft_len=args.draft_len, tree_widths=parse_widths(args.tree_widths))
-        generator = ssd_trt.load(args.build_dir, RuntimeOptions(backend=args.backend, cpu_kernel=not args.no_cpu_kernel))
+        options = RuntimeOptions(backend=args.backend, cpu_kernel=not args.no_cpu_kernel, **(runtime or {}))
+        generator = ssd_trt.load(args.build_dir, options)
         printer = TextPrinter(generator.tokenizer)
         [result] = generator.generate(args.prompt, params, mode=settings, chat=args.chat,
                                       on_tokens=None if args.json else printer)

@@ -9,7 +9,6 @@ The destination folder is the cache: a file already there with the right size an
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ssd_trt.arguments import ArgumentParser
 from ssd_trt.errors import ConfigError, SsdTrtError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -204,7 +204,7 @@ def check_pair(name: str = DEFAULT_PAIR, dest: Path | None = None) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ssd_trt.models.fetch", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m ssd_trt.models.fetch", description=__doc__.splitlines()[0])
     parser.add_argument("pair", nargs="?", default=DEFAULT_PAIR, help=f"known: {', '.join(sorted(PAIRS))}")
     parser.add_argument("--dest", type=Path, help=f"cache folder (default ${DEST_ENV}, else {DEFAULT_DEST})")
     parser.add_argument("--check", action="store_true",

@@ -6,11 +6,11 @@ would, each planned again.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from ssd_trt.arguments import ArgumentParser
 from ssd_trt.errors import SsdTrtError
 
 EPILOG = ("exit status: 0 when every GPU of every recipe fits, 1 when one does not, 2 for a bad recipe or "
@@ -61,8 +61,7 @@ def run(recipes: list[Path], gpu_memory_gib: float | None = None, configs_dir: P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ssd_trt.sizing", description=__doc__.splitlines()[0],
-                                     epilog=EPILOG)
+    parser = ArgumentParser(prog="python -m ssd_trt.sizing", description=__doc__.splitlines()[0], epilog=EPILOG)
     parser.add_argument("recipes", type=Path, nargs="+", help="recipe YAML files, e.g. recipes/gpu/*.yaml")
     parser.add_argument("--gpu-memory", type=float, metavar="GIB", help=GPU_MEMORY_HELP)
     parser.add_argument("--configs", type=Path, metavar="DIR", help=CONFIGS_HELP)

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from ssd_trt.arguments import ArgumentParser
 from ssd_trt.errors import SsdTrtError
 from ssd_trt.serve.openai.auth import ENV_KEY, api_key
 from ssd_trt.serve.openai.server import GRACEFUL_TIMEOUT_S, ServerOptions, serve
@@ -17,10 +18,11 @@ from ssd_trt.serve.openai.server import GRACEFUL_TIMEOUT_S, ServerOptions, serve
 SERVER_PACKAGES = ("fastapi", "starlette", "uvicorn", "anyio", "openai")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ssd_trt.serve.openai", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("build_dir", type=Path, help="a build directory (python -m ssd_trt.build)")
+def parser(prog: str = "python -m ssd_trt.serve.openai", description: str = __doc__, model_metavar: str = "BUILD_DIR",
+           model_help: str = "a build directory (python -m ssd_trt.build)") -> argparse.ArgumentParser:
+    """The command line; ``ssd-trt serve`` (``from_files/cli.py``) extends it with the model-file flags."""
+    p = ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("build_dir", type=Path, metavar=model_metavar, help=model_help)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
@@ -50,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["load-bench"]:
         from ssd_trt.serve.openai.load_bench import main as load_bench
         return load_bench(argv[1:])
-    args = parser().parse_args(argv)
+    return run(parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve as ``args`` (of :func:`parser`) say, until SIGINT / SIGTERM."""
     if args.graceful_timeout < 0:
         parser().error(f"--graceful-timeout must be >= 0 seconds, got {args.graceful_timeout}")
     names = args.served_model_name or [None]
