@@ -10,6 +10,7 @@ from p instead of the residual) must fail the same check -- proof that the test 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -247,7 +248,8 @@ def shuffled_cache(pair_q_with_tokens: bool):
         values = [cache.entries[key] for key in keys]
         moved = values[1:] + values[:1]                     # each key gets its neighbour's branch
         if not pair_q_with_tokens:
-            moved = [(tokens, values[(i + 2) % len(values)][1]) for i, (tokens, _) in enumerate(moved)]
+            moved = [dataclasses.replace(spec, dists=values[(i + 2) % len(values)].dists)
+                     for i, spec in enumerate(moved)]
         cache.entries = dict(zip(keys, moved))
         return cache
     return speculate

@@ -40,6 +40,39 @@ def test_greedy_speculative_equals_autoregressive(tiny_pairs, pair, batch, mode)
         assert mean < 1.0
 
 
+@pytest.mark.parametrize("pair", ["self", "perturbed"])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("draft_len", [1, 3])
+def test_greedy_ssd_chains_that_keep_the_drafted_branch_equal_autoregressive(tiny_pairs, monkeypatch, pair, batch,
+                                                                              draft_len):
+    """One guess a round (fan-out budget 1): the draft keeps the chain it drafted each speculation on
+    (Speculation.held_logits), so after a hit the next glue decode feeds s_K alone; a miss gives the kept slots back
+    and the backup drafts beside rows that hit. The output equals AR, and the one-token glue decodes really ran
+    (the self pair's draft mostly guesses the outcome: random weights leave it unsure of its own tokens)."""
+    from ssd_trt.decoding import saguaro
+    from ssd_trt.decoding.settings import SSD
+
+    widths: list[int] = []
+    feed = saguaro.feed_rows
+
+    def recording(engine, rows, tail=1):
+        widths.append(max(len(r) for r in rows))
+        return feed(engine, rows, tail)
+    monkeypatch.setattr(saguaro, "feed_rows", recording)
+    gen = ssd_trt.load(tiny_pairs[pair])
+    params = SamplingParams(max_new_tokens=40, stop_on_eos=False)
+    hits = []
+    for prompts in batches(batch):
+        reference = [r.token_ids for r in gen.generate_ids(prompts, params, mode="ar")]
+        results = gen.generate_ids(prompts, params, mode=SSD(draft_len=draft_len, fan_out_budget=1))
+        assert [r.token_ids for r in results] == reference
+        hits += [r.stats["cache_hit_rate"] for r in results]
+    assert np.mean(hits) > (0.3 if pair == "self" else 0.05)
+    # every hit's next glue decode is one token wide (the rounds after misses re-feed the verified tokens)
+    one_token = widths.count(1) / len(widths)
+    assert one_token > (0.3 if pair == "self" else 0.05), f"one-token glue decodes: {one_token:.2f} of {len(widths)}"
+
+
 @pytest.mark.parametrize("widths", [[2, 2, 1], [3, 1, 1, 1]])
 def test_greedy_tree_verification_equals_autoregressive(tiny_pairs, widths):
     from ssd_trt.decoding.settings import SD

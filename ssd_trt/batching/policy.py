@@ -119,8 +119,11 @@ def options(settings: SSD, batch: int, costs: CostCurves, measured: Yield, rows:
     for draft_len in range(1, settings.draft_len + 1):
         candidate = ssd_option(settings, draft_len, settings.backup)
         verify = costs.cost("target", batch, draft_len + 1)
+        # the glue decode feeds s_K alone where the draft holds the speculation (a chain, kept after a hit and after a
+        # just-in-time backup: saguaro.DraftWorker._glue_decode), else the K+1 glue tokens
+        glue_tokens = 1 if candidate.step_tokens == 1 else draft_len + 1
         speculate = costs.cost("draft", rows, candidate.step_tokens) * draft_len + \
-            costs.cost("draft", rows, draft_len + 1)
+            costs.cost("draft", rows, glue_tokens)
         for backup in backups:
             per_round = 1 + p_hit * measured.acceptance(draft_len, "primary") + \
                 (1 - p_hit) * measured.acceptance(draft_len, backup)

@@ -16,9 +16,10 @@ import itertools
 import threading
 from collections import deque
 
+from ssd_trt.decoding import saguaro
 from ssd_trt.decoding.draft_lane import DraftLane
 from ssd_trt.decoding.round import RoundPlan
-from ssd_trt.decoding.sequence import SequenceState
+from ssd_trt.decoding.sequence import SequenceState, held_tokens
 from ssd_trt.engines.base import Engine
 from ssd_trt.errors import RequestError
 
@@ -127,18 +128,22 @@ class Scheduler:
         for seq in self.draft_rows:
             if id(seq) not in kept:
                 seq.speculation = None
-        for seq in drafted:
+        released: dict[int, int] = {}           # new draft row -> the slots its dropped speculation held
+        for index, seq in enumerate(drafted):
             if id(seq) not in before:           # a new draft row: the draft has seen nothing of it
                 seq.draft_pending = seq.history[:-1] if seq.tokens else list(seq.prompt)
                 seq.speculation = None
             plan = plans[id(seq)]
             if seq.speculation is not None and (plan.kind != "ssd" or plan.settings is None
                                                 or len(seq.speculation.tokens) != plan.settings.draft_len):
+                if held_tokens(seq.speculation):
+                    released[index] = held_tokens(seq.speculation)
                 seq.speculation = None
         self.target_rows = ordered
         if drafted and [id(s) for s in drafted] != [id(s) for s in self.draft_rows]:
             order = [before.get(id(s)) for s in drafted]
             lane.run(lambda: lane.engine.select_rows(order))
+        saguaro.release_held(lane, released)
         self.draft_rows = [] if lane.failed else drafted
 
     def retire_finished(self) -> None:

@@ -61,7 +61,7 @@ from ssd_trt.decoding.fan_out import FanOutPlanner, bonus_rank, confident_forks,
 from ssd_trt.decoding.grammar import draft_copies, mask_rows
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sampling import TokenDistribution, draw_rows, filter_logits, softmax
-from ssd_trt.decoding.sequence import SequenceState, Speculation
+from ssd_trt.decoding.sequence import SequenceState, Speculation, held_tokens
 from ssd_trt.decoding.settings import SSD
 from ssd_trt.decoding.speculative import draft_tokens, masked_draws, validate_tokens
 from ssd_trt.engines.base import Engine, last_indices
@@ -71,11 +71,15 @@ from ssd_trt.ngram import lookup_followers, ngram_proposal
 
 @dataclass
 class SpeculationCache:
-    """Step 4's result for one group: (row, k, t*) -> that branch's K tokens and their distributions."""
-    entries: dict[tuple[int, int, int], tuple[np.ndarray, TokenDistribution | None]]
+    """Step 4's result for one group: (row, k, t*) -> that branch's K tokens and their distributions (a held
+    speculation where the draft kept the branch). ``kept``: when the draft kept each row's one branch (a chain),
+    the row's draft length before the glue and the glue tokens it kept in front of the branch (j+1); None when the
+    draft's cache went back to before the glue (a tree)."""
+    entries: dict[tuple[int, int, int], Speculation]
     glue_logits: np.ndarray             # [B, K+1, V] the draft's view of the speculation being verified
     started: float
     finished: float
+    kept: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -99,6 +103,13 @@ class DraftWorker:
         self.pending: list[list[int]] = [list(s.draft_pending) for s in seqs]   # committed, not in the draft cache
         self.history: list[list[int]] = [s.history for s in seqs]               # every committed token (lookups)
         self.grammars = draft_copies(seqs)      # each row's grammar, masking every draw along its branch's path
+        # the rows whose speculation the draft's cache holds (Speculation.held_logits), and whether this draft keeps
+        # what it drafts (a feature draft keeps nothing: a verified token is fed again carrying the target's
+        # features, engines/feature_draft.py)
+        self.held_specs: list[Speculation | None] = [s.speculation if held_tokens(s.speculation) else None
+                                                     for s in seqs]
+        self.held: list[np.ndarray | None] = [None if h is None else h.held_logits for h in self.held_specs]
+        self.keeps = not draft.takes_target_features
 
     def speculate(self, bonus: list[int], speculations: list[Speculation | None], shapes: list[list[int]]
                   ) -> SpeculationCache:
@@ -110,26 +121,44 @@ class DraftWorker:
         # under a grammar the bonus guesses are tokens it allows after s_1..s_j
         glue_logits = mask_rows(glue_logits, self._masks([[g[1:j + 1] for j in range(K + 1)] for g in glue]))
         forks = [self._forks(r, glue_logits[r], glue[r], shapes[r]) for r in range(len(glue))]     # 2.
+        held, kept = None, None
         if chain and all(len(row_forks) == 1 for row_forks in forks):
-            tokens, dists = self._chain_decode(glue, forks, shapes)                                 # 3.
+            base = self.draft.lengths - len(glue[0])
+            tokens, dists, held = self._chain_decode(glue, forks, shapes)                          # 3.
+            if held is not None:
+                kept = [(int(base[r]), forks[r][0][0] + 1) for r in range(len(glue))]
         else:
             if chain:     # (a row without its one guess: the tree decode re-feeds the glue itself)
                 self.draft.rollback(self.draft.lengths - len(glue[0]))
             tokens, dists = self._tree_decode(glue, forks, shapes)                                 # 3.
-        entries = {(r, j, t): (tokens[r, n, 1:].copy(), None if dists is None else dists[:, r, n])  # 4.
+        entries = {(r, j, t): Speculation(tokens[r, n, 1:].copy(), None if dists is None else dists[:, r, n],  # 4.
+                                          "primary", None if held is None else held[r])
                    for r in range(len(glue)) for n, (j, t) in enumerate(forks[r])}
-        return validated(SpeculationCache(entries, glue_logits, started, time.perf_counter()), len(glue), K,
+        return validated(SpeculationCache(entries, glue_logits, started, time.perf_counter(), kept), len(glue), K,
                          self.draft.spec.vocab_size)
 
     def _glue_decode(self, glue: list[list[int]], keep: bool = False) -> np.ndarray:
         """Step 1: draft logits at glue positions j = 0..K [B, K+1, V] (pending committed tokens ride along in front
         and stay in the cache; the glue itself is rolled back, the tree steps re-feed it, unless ``keep``: a chain
-        decodes behind it)."""
+        decodes behind it).
+
+        Where every row's speculation is held (the draft kept the chain it drafted s_1..s_K on, a hit), the cache
+        already holds glue 0..K-1 and their logits: the decode feeds s_K alone, one token instead of the pending
+        verified tokens plus K+1. Where only some are, the held rows give their slots back and are fed in full
+        with the rest (one step either way: its width is the longest row's)."""
         size = len(glue[0])
-        logits = feed_rows(self.draft, [p + g for p, g in zip(self.pending, glue)], tail=size)
+        if all(h is not None for h in self.held) and not any(self.pending):
+            last = feed_rows(self.draft, [g[-1:] for g in glue], tail=1)
+            logits = np.concatenate([np.stack(self.held), last], axis=1)
+        else:
+            held = np.array([held_tokens(h) for h in self.held_specs], dtype=np.int32)
+            if held.any():
+                self.draft.rollback(self.draft.lengths - held)
+            logits = feed_rows(self.draft, [p + g for p, g in zip(self.pending, glue)], tail=size)
         if not keep:
             self.draft.rollback(self.draft.lengths - size)
         self.pending = [[] for _ in glue]
+        self.held, self.held_specs = [None] * len(glue), [None] * len(glue)
         return logits
 
     def _forks(self, row: int, glue_logits: np.ndarray, glue: list[int], shape: list[int]) -> list[tuple[int, int]]:
@@ -168,13 +197,17 @@ class DraftWorker:
                 step_dists.append(q)
         return tokens, TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None
 
-    def _chain_decode(self, glue: list[list[int]], forks: list[list[tuple[int, int]]],
-                      shapes: list[list[int]]) -> tuple[np.ndarray, TokenDistribution | None]:
+    def _chain_decode(self, glue: list[list[int]], forks: list[list[tuple[int, int]]], shapes: list[list[int]]
+                      ) -> tuple[np.ndarray, TokenDistribution | None, np.ndarray | None]:
         """Step 3 when every row has one guess (j, t): its branch sees glue 0..j and its own tokens, a chain. The glue
         decode left the glue in the cache: each row keeps it up to j and the K tokens are drafted one token a step (as
         SD drafts) instead of re-feeding glue and branch at every step, which on a CPU costs in proportion to the
         tokens fed (K=3: 4 one-token steps instead of steps of 5, 6 and 7 tokens; docs/real_pair.md). The draft
-        attends to what the tree decode's branch attends to; the same tokens [B, 1, K+1] and distributions [K, B, 1]."""
+        attends to what the tree decode's branch attends to; the same tokens [B, 1, K+1] and distributions [K, B, 1].
+
+        The draft keeps the chain (``keeps``): its cache ends holding glue 0..j, t, s_1..s_{K-1}, exactly what a hit
+        on (j, t) commits and then speculates, and the logits [B, K, V] it drew s_1..s_K from are returned to go with
+        the speculation (held). Settling rolls a row back to its verified prefix unless it hit."""
         K, batch = self.settings.draft_len, len(glue)
         base = self.draft.lengths - len(glue[0])
         self.draft.rollback(base + np.array([row_forks[0][0] + 1 for row_forks in forks], dtype=np.int32))
@@ -182,9 +215,11 @@ class DraftWorker:
         tokens[:, 0, 0] = [row_forks[0][1] for row_forks in forks]
         fan_out = np.array([shape[:K] for shape in shapes])                 # [B, K]: F at each position
         step_dists: list[TokenDistribution] = []
+        step_logits: list[np.ndarray] = []
         # draft_tokens' loop (speculative.py), kept in the tree decode's [B, branches = 1] layout
         logits = self.draft.forward(tokens[:, :, 0], self.draft.lengths[:, None].astype(np.int64))
         for step in range(1, K + 1):
+            step_logits.append(logits[:, 0])
             masks = self._masks([[glue[row][1:row_forks[0][0] + 1] + [int(t) for t in tokens[row, 0, :step]]]
                                  for row, row_forks in enumerate(forks)])
             tokens[:, :, step], q = self.draw(mask_rows(logits, masks), fan_out[:, step - 1:step])
@@ -192,8 +227,11 @@ class DraftWorker:
                 step_dists.append(q)
             if step < K:
                 logits = self.draft.forward(tokens[:, :, step], self.draft.lengths[:, None].astype(np.int64))
-        self.draft.rollback(base)
-        return tokens, TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None
+        dists = TokenDistribution.stack(step_dists, self.draft.spec.vocab_size) if step_dists else None
+        if not self.keeps:
+            self.draft.rollback(base)
+            return tokens, dists, None
+        return tokens, dists, np.stack(step_logits, axis=1)
 
     def _masks(self, paths: list[list[list[int]]]) -> list[list[np.ndarray | None] | None]:
         """Per row, its grammar's masks at the end of each of its ``paths`` (None: a row without a grammar)."""
@@ -209,19 +247,35 @@ class DraftWorker:
 
     def just_in_time(self, bonus: list[int], shapes: list[list[int]], wanted: list[bool]) -> list[Speculation]:
         """Step 6's neural backup (and a row's first speculation): draft K tokens after each row's new bonus token,
-        now, drawing as the cache's branches do. Rows not ``wanted`` draw nothing (their tokens are not used); every
-        row's pending tokens enter the cache."""
+        now, drawing as the cache's branches do. Rows not ``wanted`` draw nothing (their tokens are not used): their
+        pending tokens enter the cache, and a row whose speculation the cache holds stays as it was (the loop
+        feeds every row at least one token: such a row re-feeds its last held slot, and the loop's additions are
+        rolled back). The wanted rows' chains are kept: each speculation is held (``Speculation.held_logits``)."""
         K, batch = self.settings.draft_len, len(bonus)
-        prefix = self.draft.lengths + np.array([len(p) for p in self.pending])     # without the bonus
+        held = np.array([held_tokens(h) for h in self.held_specs], dtype=np.int32)
+        before = self.draft.lengths
+        if held.any():
+            self.draft.rollback(before - (held > 0))
+        feeds = [p + [b] if h is None else ([b] + [int(t) for t in h.tokens])[len(h.tokens) - 1:len(h.tokens)]
+                 for p, b, h in zip(self.pending, bonus, self.held_specs)]
         fan_out = np.array([shapes[row][:K] for row in range(batch)])               # [B, K]: F at each position
+        step_logits: list[np.ndarray] = []                                          # raw, before any grammar mask
+        masked = masked_draws(lambda logits, i: self.draw(logits, fan_out[:, i], wanted), self.grammars)
+
+        def draw(logits: np.ndarray, i: int):
+            step_logits.append(logits)
+            return masked(logits, i)
         # the bonus token is committed: the grammar copies stand after it (this worker's copies are not used again)
-        tokens, dists = draft_tokens(self.draft, [p + [b] for p, b in zip(self.pending, bonus)], K,
-                                     masked_draws(lambda logits, i: self.draw(logits, fan_out[:, i], wanted),
-                                                  self.grammars))
+        tokens, dists = draft_tokens(self.draft, feeds, K, draw)
         validate_tokens(tokens, (batch, K), self.draft.spec.vocab_size, "a just-in-time speculation")
+        keep = np.array(wanted) & self.keeps
+        # kept: pending + bonus + s_1..s_{K-1}; a held row as it was; any other row: its pending, not the bonus
+        without_bonus = before + np.array([len(p) for p in self.pending], dtype=np.int32)
+        self.draft.rollback(np.where(keep, self.draft.lengths, np.where(held > 0, before, without_bonus)))
         self.pending = [[] for _ in bonus]
-        self.draft.rollback(prefix)   # drop bonus + drafted tokens: the next glue decode re-reads them
-        return [Speculation(tokens[r].copy(), None if dists is None else dists[r], "jit") for r in range(batch)]
+        logits = np.stack(step_logits, axis=1)                                      # [B, K, V]
+        return [Speculation(tokens[r].copy(), None if dists is None else dists[r], "jit",
+                            logits[r].copy() if keep[r] else None) for r in range(batch)]
 
 
 def tree_step_inputs(glue: list[list[int]], forks: list[list[tuple[int, int]]], branch_tokens: np.ndarray,
@@ -253,7 +307,8 @@ def tree_step_inputs(glue: list[list[int]], forks: list[list[tuple[int, int]]], 
 
 def validated(cache: SpeculationCache, batch: int, draft_len: int, vocab: int) -> SpeculationCache:
     """Refuse a malformed cache (garbage from the draft is a draft failure, never an output)."""
-    for (row, k, token), (tokens, _) in cache.entries.items():
+    for (row, k, token), speculation in cache.entries.items():
+        tokens = speculation.tokens
         if not (0 <= row < batch and 0 <= k <= draft_len and 0 <= token < vocab and len(tokens) == draft_len
                 and int(np.min(tokens)) >= 0 and int(np.max(tokens)) < vocab):
             raise ValueError(f"draft returned a malformed cache entry {(row, k, token)}")
@@ -298,29 +353,41 @@ def just_in_time(lane: DraftLane, planner: FanOutPlanner, seqs: Sequence[Sequenc
 def settle(lane: DraftLane, planner: FanOutPlanner, seqs: Sequence[SequenceState], first: int, settings: SSD,
            cache: SpeculationCache | None, verified: Sequence[list[int] | None], accepted: Sequence[int | None]
            ) -> list[Lookup | None]:
-    """After the verification: each row's verified glue [t*_prev, s_1..s_k] is pending for the draft; step 5 looks
-    its outcome (k, t*) up in the group's cache (``cache``: steps 1-4's, None when the draft failed), and learns the
-    fan-out from where t* fell; step 6 backs the misses up. Per row: its lookup (None: a row that did not run, or
-    finished, or no cache)."""
+    """After the verification: each row's verified glue [t*_prev, s_1..s_k] is pending for the draft, less what its
+    cache kept (a chain: the glue up to the guess's j, and on a hit the whole branch, which the next speculation
+    starts from; otherwise the row goes back to its verified prefix); step 5 looks its outcome (k, t*) up in the
+    group's cache (``cache``: steps 1-4's, None when the draft failed), and learns the fan-out from where t* fell;
+    step 6 backs the misses up. Per row: its lookup (None: a row that did not run, or finished, or no cache)."""
     K = settings.draft_len
+    kept = None if cache is None else cache.kept
     lookups: list[Lookup | None] = [None] * len(seqs)
-    missed = []
+    missed, released = [], {}
     for r, seq in enumerate(seqs):
         if verified[r] is None:
             continue
-        seq.draft_pending += verified[r]
         proposal, k = seq.speculation, accepted[r]
         seq.speculation = None
-        if seq.finished or cache is None or proposal is None:
-            continue
-        own_next = int(proposal.tokens[k]) if k < K else None
-        planner.curve(proposal.source).observe(k, K, bonus_rank(cache.glue_logits[r, k], own_next, seq.unfed))
-        entry = cache.entries.get((r, k, seq.unfed))                                                   # 5.
-        lookups[r] = Lookup(entry is not None)
+        entry = None
+        if not (seq.finished or cache is None or proposal is None):
+            own_next = int(proposal.tokens[k]) if k < K else None
+            planner.curve(proposal.source).observe(k, K, bonus_rank(cache.glue_logits[r, k], own_next, seq.unfed))
+            entry = cache.entries.get((r, k, seq.unfed))                                               # 5.
+            lookups[r] = Lookup(entry is not None)
+        if kept is None:
+            seq.draft_pending += verified[r]
+        elif entry is None:               # the branch the draft kept is not what was committed: back to the prefix
+            base, glue_kept = kept[r]
+            overlap = min(len(verified[r]), glue_kept)
+            released[r] = base + overlap
+            seq.draft_pending += verified[r][overlap:]
         if entry is not None:
-            seq.speculation = Speculation(entry[0], entry[1], "primary")
-        else:
+            seq.speculation = entry
+        elif lookups[r] is not None:
             missed.append(r)
+    if released:
+        view = lane.rows(first, first + len(seqs))
+        lane.run(lambda: view.rollback(np.array([released.get(r, n) for r, n in enumerate(view.lengths)],
+                                                dtype=np.int32)))
     if missed:                                                                                         # 6.
         for r, backup in back_up(lane, planner, seqs, first, settings, missed).items():
             lookups[r].backup = backup
@@ -341,6 +408,16 @@ def back_up(lane: DraftLane, planner: FanOutPlanner, seqs: Sequence[SequenceStat
         dists = None if seqs[r].params.greedy else TokenDistribution.point_mass(tokens)
         seqs[r].speculation = Speculation(tokens, dists, "ngram")
     return {r: "ngram" for r in missed}
+
+
+def release_held(lane: DraftLane, slots: dict[int, int]) -> None:
+    """Draft rows (index -> slots) whose held speculation was dropped (the request left SSD, or its K changed) give
+    back the slots it held, so the draft's cache is at the invariant again (``Speculation.held_logits``)."""
+    if not slots or lane.failed:
+        return
+    engine = lane.engine
+    lane.run(lambda: engine.rollback(engine.lengths - np.array([slots.get(r, 0) for r in range(len(engine.lengths))],
+                                                               dtype=np.int32)))
 
 
 def settle_paused(seqs: Sequence[SequenceState], verified: Sequence[list[int] | None]) -> None:

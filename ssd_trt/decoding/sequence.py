@@ -27,10 +27,22 @@ FINISH_REASONS = ("eos", "stop", "length", "abort", "error")
 class Speculation:
     """K drafted tokens for one request, the distributions they were drawn from (K rows; None when greedy) and where
     they came from: sd (a chain drafted in turn with the verification) | primary (an SSD cache hit) | jit (drafted
-    just in time) | ngram (prompt lookup)."""
+    just in time) | ngram (prompt lookup).
+
+    ``held_logits`` [K, V]: SSD's draft kept the chain it drafted these tokens on, so its cache holds t*_prev,
+    s_1..s_{K-1} past the committed tokens (the request's ``draft_pending`` is then empty), and these are its
+    logits after each of them (they drew s_1..s_K). The next round's glue decode feeds s_K alone
+    (``saguaro.DraftWorker``); dropping the speculation releases those K slots (:func:`held_tokens`)."""
     tokens: np.ndarray
     dists: TokenDistribution | None
     source: str
+    held_logits: np.ndarray | None = None
+
+
+def held_tokens(speculation: Speculation | None) -> int:
+    """The draft cache slots a speculation holds past the committed tokens (0: none, the draft is at the invariant:
+    committed tokens but ``draft_pending`` and the unfed one)."""
+    return 0 if speculation is None or speculation.held_logits is None else len(speculation.tokens)
 
 
 @dataclass

@@ -48,8 +48,10 @@ class OrtEngine(EngineDefaults):
         marked in its metadata) and writes one KV slot past the step. A graph without that mark (the traced
         form) with int8 activations is fed each one-token step with a second, discarded token here instead: the
         same effect, but the projections then compute two tokens per row (a 16-row one-token step: 51.2 ms
-        against 35.1 ms in-graph, one core; research/cpu/measure_row_exact.py). Either way a token's logits do
-        not depend on the step that computed them (SD / SSD token-identical to AR), and the KV cache keeps one
+        against 35.1 ms in-graph, one core; research/cpu/measure_row_exact.py). Every int8 graph is now fed that
+        way, marked or not: on an AVX2-only CPU MatMulNBits multiplies a one-row step on a kernel of its own,
+        whose results differ from the same row's in a wider step. Either way a token's logits do not depend on
+        the chain step that computed them (SD / SSD chains token-identical to AR), and the KV cache keeps one
         scratch slot beyond max_context."""
         import onnxruntime as ort
         self.spec = spec
@@ -69,7 +71,11 @@ class OrtEngine(EngineDefaults):
                                                                      providers=["CPUExecutionProvider"])
         self._alone: bool | None = None                # inside alone(): whether its threads may spin
         self.attends_twice = GRAPH_META_ONE_TOKEN_TWICE in self.session.get_modelmeta().custom_metadata_map
-        self.pad_single_rows = int8_activations and not self.attends_twice
+        # MatMulNBits' int8 path computes a one-row product on another kernel than two or more rows where MLAS has a
+        # GEMV for it (AVX2-only x86: logits apart by 0.6 from the same token in a 3-token step, while 2 and 3 rows
+        # agree), so every one-token step of an int8 graph is fed as two tokens, whether or not its graph attends a
+        # one-token step twice itself
+        self.pad_single_rows = int8_activations
         # MatMulNBits' int8 path can give two identical rows of one step different results (a tree's siblings)
         self.exact_trees = not int8_activations
         scratch_slot = self.attends_twice or self.pad_single_rows
