@@ -90,12 +90,32 @@ def test_serve_from_two_gguf_files_answers_the_official_openai_client(served):
     answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ab"}], max_tokens=6,
                                             temperature=0)
     assert answer.model == "tiny" and answer.choices[0].message.content
+    assert answer.model_extra["ssd_trt"]["mode"] == "ssd"              # with a draft: the usual default mode
     assert 1 <= answer.usage.completion_tokens <= 6
     [card] = client.models.list().data
     assert card.id == "tiny" and card.max_model_len == 256             # --max-model-len is the engine's context
     with pytest.raises(openai.AuthenticationError):                     # --api-key is the server's key
         openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert BUILDING in served.log()
+
+
+def test_without_a_draft_a_request_that_names_no_mode_runs_ar(pair, tmp_path):
+    """No --draft: the target drafts for itself (the recipe needs a draft), and the server's default mode is AR; a
+    request may still name another."""
+    server = FilesServer(pair["target"], tmp_path / "cache", ["--served-model-name", "solo", "--max-model-len", "256",
+                                                               "--threads", "1"], tmp_path / "solo.log")
+    server.start()
+    try:
+        server.wait_ready(timeout=900)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        plain = client.completions.create(model="solo", prompt="ab", max_tokens=4, temperature=0)
+        assert plain.model_extra["ssd_trt"]["mode"] == "ar"
+        named = client.completions.create(model="solo", prompt="ab", max_tokens=4, temperature=0,
+                                          extra_body={"mode": "sd"})
+        assert named.model_extra["ssd_trt"]["mode"] == "sd"
+        assert named.choices[0].text == plain.choices[0].text           # greedy: the same tokens either way
+    finally:
+        server.stop()
 
 
 def test_the_recipe_comes_from_the_files_and_the_flags(served, pair):

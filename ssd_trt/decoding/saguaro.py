@@ -5,7 +5,10 @@ One round of a group of SSD requests (adjacent rows of the engine step with the 
 order. The draft runs on its own core (``draft_lane.py``), concurrently with the target:
 
   target:  verify [t*_prev, s_1..s_K] ──> outcome (k, t*) ──> 5. lookup ──> next speculation (6. on a miss)
-  draft :  1. glue decode   one forward over [t*_prev, s_1..s_K]: draft logits at positions j = 0..K
+  draft :  1. glue decode   one forward over [t*_prev, s_1..s_K]: draft logits at positions j = 0..K (where the
+                            draft kept the chain it drafted s_1..s_K on -- one guess a round, after a hit or a
+                            just-in-time backup: ``Speculation.held_logits`` -- its cache holds t*_prev, s_1..s_{K-1}
+                            and their logits already, and it feeds s_K alone)
            2. forks         the B most likely outcomes (j, t*) become bonus guesses: the draft's top tokens at
                             each j (minus its own s_{j+1}: a rejected token has zero residual mass, so it can
                             never be t*) weighed by the odds of reaching j, plus prompt-lookup candidates
@@ -14,7 +17,9 @@ order. The draft runs on its own core (``draft_lane.py``), concurrently with the
                             glue tokens 0..j and its own earlier tokens (a tree mask)
            4. cache fill    key (row, k=j, t*=t) -> that branch's K tokens and their draft distributions
   after the verification:
-           5. lookup        the outcome's key in the cache: on a hit the next speculation is ready at once
+           5. lookup        the outcome's key in the cache: on a hit the next speculation is ready at once (a chain:
+                            with the draft's cache already holding it); on a miss a kept chain goes back to the
+                            verified prefix
            6. miss backup   the neural draft drafts K tokens just in time, or prompt lookup proposes them (near-zero
                             latency, for large batches: all rows must hit, p_hit^b); which one, the load policy
                             decides from measured costs (``batching/policy.py``)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ssd_trt.decoding.settings import DEFAULT_MODE
 from ssd_trt.errors import ConfigError, SsdTrtError
 from ssd_trt.manifest import MANIFEST_NAME
 
@@ -34,8 +35,8 @@ def add_file_flags(p: argparse.ArgumentParser) -> None:
     files = p.add_argument_group("from model files (MODEL a .gguf file or a checkpoint folder)")
     files.add_argument("--draft", metavar="DRAFT",
                        help="the draft: a .gguf file or checkpoint folder with the target's tokenizer; left out, the "
-                            "target drafts for itself (served, the default mode runs AR rounds where those measure "
-                            "faster; generate defaults to --mode ar)")
+                            "target drafts for itself, and a request that names no mode runs AR (serve's "
+                            "--default-mode, generate's --mode)")
     files.add_argument("--max-model-len", type=int, metavar="TOKENS",
                        help="prompt + output tokens a request may reach (engine.max_context; default: 2048, or less "
                             "where the models were made for less)")
@@ -153,6 +154,7 @@ def serve(argv: list[str] | None = None) -> int:
     description = "An OpenAI-compatible HTTP server, from a build directory or straight from model files."
     p = openai_cli.parser(prog="ssd-trt serve", description=description, model_metavar="MODEL", model_help=MODEL_HELP)
     add_file_flags(p)
+    p.set_defaults(default_mode=None)  # no draft: AR, else the usual default
     args = p.parse_args(argv)
     try:
         prepared = prepare(args)
@@ -169,6 +171,7 @@ def serve(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupted("serve")
     args.build_dir = prepared.build_dir
+    args.default_mode = args.default_mode or ("ar" if prepared.self_draft else DEFAULT_MODE)
     args.runtime_options = json.dumps({**prepared.runtime, **given})    # an explicit --runtime-options field wins
     return openai_cli.run(args)
 
@@ -176,7 +179,6 @@ def serve(argv: list[str] | None = None) -> int:
 def generate(argv: list[str] | None = None) -> int:
     """``ssd-trt generate MODEL [--draft DRAFT] --prompt TEXT [flags of python -m ssd_trt.generate]``."""
     from ssd_trt import generate as generate_cli
-    from ssd_trt.decoding.settings import DEFAULT_MODE
     p = generate_cli.parser(prog="ssd-trt generate", model_metavar="MODEL", model_help=MODEL_HELP,
                             prompt_required=False)
     add_file_flags(p)

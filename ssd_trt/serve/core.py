@@ -41,7 +41,7 @@ from ssd_trt.batching.scheduler import CapacityError
 from ssd_trt.decoding.logprobs import TokenLogprob
 from ssd_trt.decoding.params import SamplingParams
 from ssd_trt.decoding.sequence import SequenceState
-from ssd_trt.decoding.settings import ResolvedMode, Settings
+from ssd_trt.decoding.settings import DEFAULT_MODE, ResolvedMode, Settings
 from ssd_trt.detokenize import Detokenizer
 from ssd_trt.engines.affinity import pin
 from ssd_trt.errors import RequestError, SsdTrtError
@@ -201,9 +201,12 @@ class ServingCore:
 
     def __init__(self, generator: Generator, max_running: int, log: Callable[[str], None] = print,
                  max_waiting: int = 1024, calibrate: bool = True, stall_after_s: float = STALL_AFTER_S,
-                 wrap_engine: EngineWrapper | None = None) -> None:
+                 wrap_engine: EngineWrapper | None = None, default_mode: str = DEFAULT_MODE) -> None:
         """``stall_after_s``: see :meth:`health`. ``wrap_engine``: what serves instead of the engine step (a test's
-        fault injector around it)."""
+        fault injector around it). ``default_mode``: the mode of a request that names none."""
+        if default_mode not in MODES:
+            raise ValueError(f"default_mode must be one of {', '.join(MODES)}, got {default_mode!r}")
+        self.default_mode = default_mode
         self.generator = generator
         self.log = log
         self.max_running = max_running

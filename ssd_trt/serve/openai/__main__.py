@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ssd_trt.arguments import ArgumentParser
+from ssd_trt.decoding.settings import DEFAULT_MODE, MODES
 from ssd_trt.errors import SsdTrtError
 from ssd_trt.serve.openai.auth import ENV_KEY, api_key
 from ssd_trt.serve.openai.server import GRACEFUL_TIMEOUT_S, ServerOptions, serve
@@ -31,6 +32,8 @@ def parser(prog: str = "python -m ssd_trt.serve.openai", description: str = __do
     p.add_argument("--api-key", default=None,
                    help=f"a key every /v1 request must send as 'Authorization: Bearer KEY' (401 otherwise; /health "
                         f"and /metrics stay open); default: the environment's {ENV_KEY}, else none")
+    p.add_argument("--default-mode", choices=MODES, default=DEFAULT_MODE,
+                   help=f"the mode of a request that names none (its 'mode' field; default {DEFAULT_MODE})")
     p.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S, metavar="SECONDS",
                    help="after SIGTERM, how long requests in flight get to finish before the server stops (keep it "
                         "within the pod's terminationGracePeriodSeconds less its preStop sleep)")
@@ -64,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         options = ServerOptions(args.build_dir, args.host, args.port, names[0], args.max_batch_rows,
                                 args.max_waiting, json.loads(args.runtime_options), not args.no_verify,
                                 not args.no_warmup, args.log_level, not args.no_access_log, aliases=tuple(names[1:]),
-                                api_key=api_key(args.api_key), graceful_timeout=args.graceful_timeout)
+                                api_key=api_key(args.api_key), graceful_timeout=args.graceful_timeout,
+                                default_mode=args.default_mode)
         return serve(options)
     except json.JSONDecodeError as exc:
         print(f"error: --runtime-options is not valid JSON ({exc})", file=sys.stderr)

@@ -141,9 +141,10 @@ def _stop_token_ids(body: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _settings(body: dict) -> Settings:
-    """The mode and the speculation options the request set (extra body fields, as the Triton inputs)."""
-    mode = body.get("mode", DEFAULT_MODE)
+def _settings(body: dict, default_mode: str = DEFAULT_MODE) -> Settings:
+    """The mode and the speculation options the request set (extra body fields, as the Triton inputs); a request
+    that names no mode gets the server's ``default_mode``."""
+    mode = body.get("mode", default_mode)
     if not isinstance(mode, str):
         raise bad_request(f"mode must be a string (ar, sd or ssd), got {mode!r}", "mode")
     tree = body.get("tree_widths")
@@ -278,7 +279,7 @@ def parse(body: Any, core: ServingCore, names: tuple[str, ...], chat: bool) -> P
     prompt_only = max_tokens == 0
     if prompt_only:
         max_tokens = 1                          # (made, not shown: the engine always makes one)
-    settings = _settings(body)
+    settings = _settings(body, core.default_mode)
     tools = tool_use(body) if chat else None
     grammar = _grammar(body, tools, core)
     prompts = [_chat_ids(core.generator.tokenizer, _messages(body), tools)] if chat else _prompts(body, core)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ssd_trt.decoding.settings import DEFAULT_MODE
 from ssd_trt.errors import ConfigError
 from ssd_trt.manifest import read_manifest
 from ssd_trt.serve import loading
@@ -39,6 +40,7 @@ class ServerOptions:
     aliases: tuple[str, ...] = ()          # further names requests may use (--served-model-name's others)
     api_key: str | None = None             # None: no key needed (auth.py)
     graceful_timeout: float = GRACEFUL_TIMEOUT_S   # seconds streams in flight get to finish after SIGTERM
+    default_mode: str = DEFAULT_MODE       # the mode of a request that names none
 
     @property
     def served_name(self) -> str:
@@ -54,7 +56,7 @@ def load_core(options: ServerOptions, wrap_engine: EngineWrapper | None = None) 
     server waits for before /health answers 200. ``wrap_engine``: ``ServingCore``'s (a test's fault injector)."""
     core, seconds = loading.load_core(options.build_dir, options.runtime_options, options.max_batch_rows, log,
                                       options.verify, options.warmup, max_waiting=options.max_waiting,
-                                      wrap_engine=wrap_engine)
+                                      wrap_engine=wrap_engine, default_mode=options.default_mode)
     log(f"ssd_trt: loaded {options.build_dir} in {seconds:.1f}s; serving {options.served_name!r} "
         f"at http://{options.host}:{options.port}/v1 (continuous batching up to {core.max_running} requests)")
     return core
