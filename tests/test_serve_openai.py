@@ -107,6 +107,7 @@ class EchoCore:
 
     def __init__(self, full: bool = False) -> None:
         self.full = full
+        self.default_mode = "ssd"
         tokenizer = SimpleNamespace(chat_template="(any)", apply_chat_template=lambda messages, **_: [1, 2, 3])
         self.generator = SimpleNamespace(encode=lambda text: [1, 2, 3], tokenizer=tokenizer,
                                          limits=SimpleNamespace(max_context=64))
