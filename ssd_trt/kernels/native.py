@@ -1,5 +1,5 @@
 """The Python face of the kernel library (ctypes): a pool of threads on one instruction-set path, weights held as
-tiles, and y = x W for float activations x [M, K] -- quantized here to int8 as llama.cpp does (per 32 and per 256)."""
+tiles, and y = x W for float activations x [M, K] -- quantized here to int8 per block of 32 as llama.cpp does."""
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +22,7 @@ class _Weight(ctypes.Structure):
 
 class _Act(ctypes.Structure):
     _fields_ = [("m", ctypes.c_int32), ("k", ctypes.c_int32), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p),
-                ("ds", ctypes.c_void_p), ("qk", ctypes.c_void_p), ("dk", ctypes.c_void_p), ("sk16", ctypes.c_void_p),
-                ("sk32", ctypes.c_void_p)]
+                ("ds", ctypes.c_void_p), ("ds16", ctypes.c_void_p)]
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -63,9 +62,7 @@ class NativeWeight:
 
 
 class Activations:
-    """x [M, K] quantized twice (ssd_kernels.h): per block of 32, int8 q, its scale d and d * sum(q) (the 32-weight
-    kinds read these); and, when K is a multiple of 256, per block of 256 (llama.cpp's Q8_K, the K-quants read
-    these) int8 qk, its scale dk and the int16 sums of qk over each 16 and each 32."""
+    """x [M, K] quantized: int8 q, and per block of 32 its scale d and d * sum(q) (per half block too)."""
 
     def __init__(self, m: int, k: int) -> None:
         if k % SUB:
@@ -73,14 +70,8 @@ class Activations:
         self.q = np.empty((m, k), np.int8)
         self.d = np.empty((m, k // SUB), np.float32)
         self.ds = np.empty((m, k // SUB), np.float32)
-        wide = k % 256 == 0
-        self.qk = np.empty((m, k) if wide else (m, 0), np.int8)
-        self.dk = np.empty((m, k // 256) if wide else (m, 0), np.float32)
-        self.sk16 = np.empty((m, k // 16) if wide else (m, 0), np.int16)
-        self.sk32 = np.empty((m, k // 32) if wide else (m, 0), np.int16)
-        self.struct = _Act(m, k, self.q.ctypes.data, self.d.ctypes.data, self.ds.ctypes.data,
-                           self.qk.ctypes.data if wide else None, self.dk.ctypes.data, self.sk16.ctypes.data,
-                           self.sk32.ctypes.data)
+        self.ds16 = np.empty((m, 2 * k // SUB), np.float32)
+        self.struct = _Act(m, k, self.q.ctypes.data, self.d.ctypes.data, self.ds.ctypes.data, self.ds16.ctypes.data)
 
     @property
     def m(self) -> int:

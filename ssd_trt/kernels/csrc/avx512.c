@@ -45,7 +45,16 @@ static inline void unpack(int bits, const uint8_t *codes, __m512i g[8]) {
     }
 }
 
+static inline __m512 negate(__m512 v) {     /* -v exactly (sign bit flipped; xor_ps would need AVX512DQ) */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
+}
 static inline __m512 f16x16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline __m512 u8x16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline __m512 i8x16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 
 #ifndef PREFETCH
 #define PREFETCH 8192        /* bytes ahead of the unpack that the tile stream is prefetched */
@@ -73,150 +82,76 @@ static inline void row_dots(const int kind, const __m512i *g, const int8_t *xq, 
     }
 }
 
-/* the 16 columns' scale s and minimum m of a 32-weight kind's block at sp */
-static inline __attribute__((always_inline)) void scales(const int kind, const uint8_t *sp, __m512 *sv, __m512 *mv) {
+/* the 16 columns' scale s and minimum m of sub-block j of the K-block at sp ([0], and Q6_K's second half [1]) */
+static inline __attribute__((always_inline)) void scales(const int kind, const uint8_t *sp, int j, __m512 *sv,
+                                                         __m512 *mv) {
     const __m512 d = f16x16(sp);
     switch (kind) {
-    case SSD_Q4_0: *sv = d; *mv = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)); break;
-    case SSD_Q5_0: *sv = d; *mv = _mm512_mul_ps(d, _mm512_set1_ps(-16.0f)); break;
-    case SSD_Q8_0: *sv = d; *mv = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f)); break;
-    default: *sv = d; *mv = f16x16(sp + 32); break;                  /* Q4_1, Q5_1 */
+    case SSD_Q4_0: sv[0] = d; mv[0] = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)); break;
+    case SSD_Q5_0: sv[0] = d; mv[0] = _mm512_mul_ps(d, _mm512_set1_ps(-16.0f)); break;
+    case SSD_Q8_0: sv[0] = d; mv[0] = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f)); break;
+    case SSD_Q4_1: case SSD_Q5_1: sv[0] = d; mv[0] = f16x16(sp + 32); break;
+    case SSD_Q4_K: case SSD_Q5_K:
+        sv[0] = _mm512_mul_ps(d, u8x16(sp + 64 + j * 16));
+        mv[0] = negate(_mm512_mul_ps(f16x16(sp + 32), u8x16(sp + 64 + 128 + j * 16)));
+        break;
+    case SSD_Q6_K:
+        for (int h = 0; h < 2; h++) {
+            sv[h] = _mm512_mul_ps(d, i8x16(sp + 32 + (2 * j + h) * 16));
+            mv[h] = _mm512_mul_ps(sv[h], _mm512_set1_ps(-32.0f));
+        }
+        break;
+    default: break;
     }
 }
 
-/* acc after block b of row r (a 32-weight kind: ssd_kernels.h's arithmetic) */
+/* acc after sub-block b of row r (ssd_kernels.h's arithmetic) */
 static inline __attribute__((always_inline)) __m512 row_step(const int kind, const __m512i *g, const ssd_act *a,
-                                                             int r, int64_t b, __m512 sv, __m512 mv, __m512 acc) {
+                                                             int r, int64_t b, const __m512 *sv, const __m512 *mv,
+                                                             __m512 acc) {
     const int64_t at = r * (int64_t)(a->k / SSD_SUB) + b;
     __m512i t0, t1;
     row_dots(kind, g, a->q + (int64_t)r * a->k + b * SSD_SUB, &t0, &t1);
     const __m512 dx = _mm512_set1_ps(a->d[at]);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), _mm512_mul_ps(sv, dx), acc);
-    return _mm512_fmadd_ps(mv, _mm512_set1_ps(a->ds[at]), acc);
-}
-
-/* 16 int32 lanes holding the int16 pair (a_c, b_c) of each column c, from two rows of 16 bytes (unsigned, or
-   signed: Q6_K's scales) */
-static inline __m512i two_pair(const uint8_t *pa, const uint8_t *pb, int is_signed) {
-    const __m128i a = _mm_loadu_si128((const __m128i *)pa), b = _mm_loadu_si128((const __m128i *)pb);
-    const __m512i lo = is_signed ? _mm512_and_si512(_mm512_cvtepi8_epi32(a), _mm512_set1_epi32(0xFFFF))
-                                 : _mm512_cvtepu8_epi32(a);
-    const __m512i hi = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-}
-static inline __m512i bcast_pair(const int16_t *p) {     /* (p[0], p[1]) in every lane */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
-/* a K-quant (Q4_K, Q5_K, Q6_K), rows r0 .. r0 + rows - 1 (at most DIRECT) of one tile: per K-block the exact
- * integer sums of ssd_kernels.h -- each sub-block's vpdpbusd dots times the column's integer sub-scale (vpmulld),
- * the minima / centre by vpmaddwd of int16 pairs -- then the K-block's one or two fmas */
-#define DIRECT 8
-static inline __attribute__((always_inline)) void kquant_few_rows(const int kind, const ssd_weight *w,
-                                                                  const ssd_act *a, const uint8_t *tile, int r0,
-                                                                  float *y, int64_t ldy, int ncols, const int rows) {
-    const int bits = ssd_code_bits(kind), code_bytes = ssd_code_bytes(bits), scale_bytes = ssd_scale_bytes(kind);
-    const int kblocks = w->k / 256;
-    const size_t kblock_bytes = ssd_kblock_bytes(kind);
-    __m512 acc[DIRECT];
-#pragma GCC unroll 8
-    for (int i = 0; i < DIRECT; i++)
-        acc[i] = _mm512_setzero_ps();
-    for (int kb = 0; kb < kblocks; kb++) {
-        const uint8_t *sp = tile + kb * kblock_bytes;
-        __m512i isum[DIRECT], side[DIRECT];
-#pragma GCC unroll 8
-        for (int i = 0; i < DIRECT; i++)
-            isum[i] = side[i] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j++) {
-            const uint8_t *codes = sp + scale_bytes + j * code_bytes;
-            for (int line = 0; line < code_bytes; line += 64)
-                _mm_prefetch((const char *)codes + PREFETCH + line, _MM_HINT_T0);
-            __m512i g[8], sc0, sc1;
-            unpack(bits, codes, g);
-            if (kind == SSD_Q6_K) {      /* scale blocks 2j (groups 0-3) and 2j + 1 (groups 4-7) */
-                sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sp + 32 + (2 * j) * 16)));
-                sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sp + 32 + (2 * j + 1) * 16)));
-            } else {
-                sc0 = sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sp + 64 + j * 16)));
-            }
-#pragma GCC unroll 8
-            for (int i = 0; i < DIRECT; i++) {
-                if (i >= rows)
-                    continue;
-                __m512i t0, t1;
-                row_dots(kind, g, a->qk + (int64_t)(r0 + i) * a->k + kb * 256 + j * SSD_SUB, &t0, &t1);
-                /* Q6_K: t0, t1 are the two scale blocks'; other kinds: halves of one sum (sc0 = sc1) */
-                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(t0, sc0),
-                                                                     _mm512_mullo_epi32(t1, sc1)));
-            }
-        }
-        const int pairs = kind == SSD_Q6_K ? 8 : 4;
-        for (int p = 0; p < pairs; p++) {
-            const __m512i s = kind == SSD_Q6_K ? two_pair(sp + 32 + (2 * p) * 16, sp + 32 + (2 * p + 1) * 16, 1)
-                                               : two_pair(sp + 192 + (2 * p) * 16, sp + 192 + (2 * p + 1) * 16, 0);
-#pragma GCC unroll 8
-            for (int i = 0; i < DIRECT; i++) {
-                if (i >= rows)
-                    continue;
-                const int16_t *sums = kind == SSD_Q6_K ? a->sk16 + (int64_t)(r0 + i) * (a->k / 16) + kb * 16
-                                                       : a->sk32 + (int64_t)(r0 + i) * (a->k / 32) + kb * 8;
-                side[i] = _mm512_add_epi32(side[i], _mm512_madd_epi16(s, bcast_pair(sums + 2 * p)));
-            }
-        }
-        const __m512 d = f16x16(sp);
-#pragma GCC unroll 8
-        for (int i = 0; i < DIRECT; i++) {
-            if (i >= rows)
-                continue;
-            const __m512 dk = _mm512_set1_ps(a->dk[(int64_t)(r0 + i) * kblocks + kb]);
-            if (kind == SSD_Q6_K) {
-                const __m512i T = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(side[i], 5));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T), _mm512_mul_ps(d, dk), acc[i]);
-            } else {
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dk), acc[i]);
-                acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(side[i]), _mm512_mul_ps(f16x16(sp + 32), dk), acc[i]);
-            }
-        }
+    if (kind == SSD_Q6_K) {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0), _mm512_mul_ps(sv[0], dx), acc);
+        acc = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(a->ds16[2 * at]), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1), _mm512_mul_ps(sv[1], dx), acc);
+        return _mm512_fmadd_ps(mv[1], _mm512_set1_ps(a->ds16[2 * at + 1]), acc);
     }
-    const __mmask16 keep = ncols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
-#pragma GCC unroll 8
-    for (int i = 0; i < DIRECT; i++)
-        if (i < rows)
-            _mm512_mask_storeu_ps(y + (r0 + i) * ldy, keep, acc[i]);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), _mm512_mul_ps(sv[0], dx), acc);
+    return _mm512_fmadd_ps(mv[0], _mm512_set1_ps(a->ds[at]), acc);
 }
 
-/* rows r0 .. r0 + rows - 1 (at most DIRECT) of one tile: each block unpacked into registers and used at once for
+/* rows r0 .. r0 + rows - 1 (at most DIRECT) of one tile: each sub-block unpacked into registers and used at once for
    every row, whose sums stay in registers; rows is a constant where this is inlined. A tile is at most ~120 KB, so
    the next group of rows reads it from L2, not memory. */
+#define DIRECT 8
 static inline __attribute__((always_inline)) void tile_few_rows(const int kind, const ssd_weight *w,
                                                                 const ssd_act *a, const uint8_t *tile, int r0,
                                                                 float *y, int64_t ldy, int ncols, const int rows) {
-    if (ssd_is_kquant(kind)) {
-        kquant_few_rows(kind, w, a, tile, r0, y, ldy, ncols, rows);
-        return;
-    }
-    const int bits = ssd_code_bits(kind), code_bytes = ssd_code_bytes(bits), scale_bytes = ssd_scale_bytes(kind);
-    const int blocks = w->k / SSD_SUB;
+    const int bits = ssd_code_bits(kind), subs = ssd_kblock(kind) / SSD_SUB, code_bytes = ssd_code_bytes(bits);
+    const int scale_bytes = ssd_scale_bytes(kind), kblocks = w->k / ssd_kblock(kind);
     const size_t kblock_bytes = ssd_kblock_bytes(kind);
     __m512 acc[DIRECT];     /* in registers: every loop over the rows is unrolled, rows a constant */
 #pragma GCC unroll 8
     for (int i = 0; i < DIRECT; i++)
         acc[i] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; b++) {      /* one K-block is one block of 32 here */
-        const uint8_t *sp = tile + b * kblock_bytes, *codes = sp + scale_bytes;
-        for (int line = 0; line < code_bytes; line += 64)
-            _mm_prefetch((const char *)codes + PREFETCH + line, _MM_HINT_T0);
-        __m512i g[8];
-        __m512 sv, mv;
-        unpack(bits, codes, g);
-        scales(kind, sp, &sv, &mv);
+    for (int kb = 0; kb < kblocks; kb++) {
+        const uint8_t *sp = tile + kb * kblock_bytes;
+        for (int j = 0; j < subs; j++) {
+            const uint8_t *codes = sp + scale_bytes + j * code_bytes;
+            for (int line = 0; line < code_bytes; line += 64)
+                _mm_prefetch((const char *)codes + PREFETCH + line, _MM_HINT_T0);
+            __m512i g[8];
+            __m512 sv[2], mv[2];
+            unpack(bits, codes, g);
+            scales(kind, sp, j, sv, mv);
 #pragma GCC unroll 8
-        for (int i = 0; i < DIRECT; i++)
-            if (i < rows)
-                acc[i] = row_step(kind, g, a, r0 + i, b, sv, mv, acc[i]);
+            for (int i = 0; i < DIRECT; i++)
+                if (i < rows)
+                    acc[i] = row_step(kind, g, a, r0 + i, (int64_t)kb * subs + j, sv, mv, acc[i]);
+        }
     }
     const __mmask16 keep = ncols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
 #pragma GCC unroll 8
@@ -250,8 +185,7 @@ static inline __attribute__((always_inline)) void tiles_of_kind(const int kind, 
 
 SSD_MATMUL_TILES(tiles_of_kind)
 
-/* the same per-32 quantization as scalar.c, 16 lanes at a time: max |x|, d = max / 127, q = cvtps2dq(x * (1 / d));
-   the per-256 one is layout.h's */
+/* the same quantization as scalar.c, 16 lanes at a time: max |x|, d = max / 127, q = cvtps2dq(x * (1 / d)) */
 static void quantize(const float *x, int64_t ldx, ssd_act *a) {
     const int64_t row_blocks = a->k / SSD_SUB;
     for (int r = 0; r < a->m; r++) {
@@ -265,13 +199,14 @@ static void quantize(const float *x, int64_t ldx, ssd_act *a) {
             int8_t *out = a->q + r * a->k + b * SSD_SUB;
             _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(q1));
-            const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
             const int64_t at = r * row_blocks + b;
             a->d[at] = d;
-            a->ds[at] = d * (float)sum;
+            a->ds[at] = d * (float)(s0 + s1);
+            a->ds16[2 * at] = d * (float)s0;
+            a->ds16[2 * at + 1] = d * (float)s1;
         }
     }
-    ssd_quantize_k(x, ldx, a);
 }
 
 const ssd_isa ssd_isa_avx512vnni = {"avx512vnni", quantize, matmul_tiles};

@@ -60,24 +60,6 @@ static inline void ssd_scale_at(int kind, const uint8_t *sp, int j, int half, in
     }
 }
 
-/* a K-quant's integer sub-scales of column c: scale block i (Q4_K, Q5_K: sub-block i of 32, minimum mn; Q6_K: i of
- * 16, signed, mn = 0) and its fp16 super-scales d, dmin (w = d sc u - dmin mn, or d sc (u - 32)) */
-static inline void ssd_kquant_scales(int kind, const uint8_t *sp, int i, int c, int *sc, int *mn, float *d,
-                                     float *dmin) {
-    *d = ssd_f16(sp + 2 * c);
-    if (kind == SSD_Q6_K) {
-        *sc = (int8_t)sp[32 + i * 16 + c];
-        *mn = 0;
-        *dmin = 0.0f;
-    } else {
-        *sc = sp[64 + i * 16 + c];
-        *mn = sp[64 + 128 + i * 16 + c];
-        *dmin = ssd_f16(sp + 32 + 2 * c);
-    }
-}
-
-static inline int ssd_is_kquant(int kind) { return kind == SSD_Q4_K || kind == SSD_Q5_K || kind == SSD_Q6_K; }
-
 /* the centre c of a symmetric kind (w = s (u - c), so m = -c s), 0 for the kinds with a minimum of their own */
 static inline int ssd_centre(int kind) {
     switch (kind) {
@@ -91,40 +73,6 @@ static inline int ssd_centre(int kind) {
 
 static inline size_t ssd_kblock_bytes(int kind) {
     return (size_t)ssd_scale_bytes(kind) + (size_t)(ssd_kblock(kind) / SSD_SUB) * ssd_code_bytes(ssd_code_bits(kind));
-}
-
-/* the per-256 activations (qk, dk, sk16, sk32) of rows x [m, k], the same code in every path (the per-32 ones are
- * each path's own): d = max |x| / 127, q = x times the fp32 reciprocal of d rounded half to even; nothing when
- * qk is NULL or k is not a multiple of 256 */
-static inline void ssd_quantize_k(const float *x, int64_t ldx, ssd_act *a) {
-    if (!a->qk || a->k % 256)
-        return;
-    for (int r = 0; r < a->m; r++) {
-        for (int b = 0; b < a->k / 256; b++) {
-            const float *xb = x + r * ldx + b * 256;
-            int8_t *qk = a->qk + (int64_t)r * a->k + b * 256;
-            float amax = 0.0f;
-            for (int i = 0; i < 256; i++) {
-                const float v = xb[i] < 0.0f ? -xb[i] : xb[i];
-                amax = amax > v ? amax : v;
-            }
-            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int16_t *s16 = a->sk16 + (int64_t)r * (a->k / 16) + b * 16;
-            for (int i = 0; i < 16; i++) {
-                int sum = 0;
-                for (int l = 16 * i; l < 16 * i + 16; l++) {
-                    const int q = (int)__builtin_lrintf(xb[l] * id);   /* half to even, as cvtps2dq */
-                    qk[l] = (int8_t)q;
-                    sum += q;
-                }
-                s16[i] = (int16_t)sum;
-            }
-            int16_t *s32 = a->sk32 + (int64_t)r * (a->k / 32) + b * 8;
-            for (int i = 0; i < 8; i++)
-                s32[i] = (int16_t)(s16[2 * i] + s16[2 * i + 1]);
-            a->dk[r * (a->k / 256) + b] = d;
-        }
-    }
 }
 
 /* a path's matmul_tiles: one function per kind, each its own instance of the path's always-inline

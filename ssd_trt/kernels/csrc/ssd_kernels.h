@@ -16,25 +16,15 @@
  *     6-bit codes: the 4-bit chunks, then 2 chunks of 64 bytes: bits 2i, 2i+1 of chunk p's byte j are the top two
  *                  bits of group 4p+i's byte j.
  *
- * Activations are quantized per row twice, as llama.cpp quantizes them for each weight kind's dot product
- * (ggml-quants.c: quantize_row_q8_0 for the 32-weight kinds, quantize_row_q8_K for the K-quants; GGML's
- * vec_dot_type of each kind), both with d = max|x| / 127 over the block, q = round(x / d) (x times the fp32
- * reciprocal of d, rounding half to even), d kept in fp32:
- *   per 32 along K ("Q8_0"): q, d and d * sum q of the block -- read by Q4_0, Q4_1, Q5_0, Q5_1, Q8_0;
- *   per 256 along K ("Q8_K", only when K is a multiple of 256): qk, dk and the int16 sums of qk over each 16 and
- *   each 32 -- read by Q4_K, Q5_K, Q6_K.
+ * Activations are quantized per row and per 32 along K as llama.cpp's Q8_0 does (ggml-quants.c,
+ * quantize_row_q8_0: d = max|x| / 127, q = round(x / d)), keeping d in fp32 and rounding half to even, with the
+ * block sums of q (as Q8_1 stores them) and, for Q6_K's 16-wide scale blocks, the sums of each half.
  *
- * Arithmetic, the same in every instruction-set path (so all of them give bit-identical results), acc = 0 first,
- * then for each scale block (32-weight kinds) or K-block (K-quants) in K order:
- *   32-weight kinds:  t = sum u q (exact, int32);  acc = fma((float) t, s * d, acc);  acc = fma(m, d * sum q, acc)
- *   Q4_K, Q5_K:       T = sum_j sc_j sum_{k in j} u qk,  N = sum_j mn_j sum_{k in j} qk  (j: the 8 sub-blocks,
- *                     exact int32);  acc = fma((float) T, d * dk, acc);  acc = fma(-(float) N, dmin * dk, acc)
- *   Q6_K:             T = sum_i sc_i (sum_{k in i} u qk - 32 sum_{k in i} qk)  (i: the 16 scale blocks of 16,
- *                     exact int32);  acc = fma((float) T, d * dk, acc)
- * with d, dmin the K-block's fp16 super-scales and sc, mn its integer sub-scales; y = acc. The integer sums need no
- * float work per sub-block: that is what makes a K-quant's dot cheap (bounded: |T| < 2^27). A row's result depends
- * on nothing but that row and the weight: not on M, not on the row's place among the others, not on how columns
- * are split between threads.
+ * Arithmetic, the same in every instruction-set path (so all of them give bit-identical results): for each scale
+ * block in K order, t = sum u q (exact, int32), then
+ *     acc = fma((float) t, s * d, acc);  acc = fma(m, d * (float) sum q, acc)
+ * starting from acc = 0; y = acc. A row's result depends on nothing but that row and the weight: not on M, not on
+ * the row's place among the others, not on how columns are split between threads.
  */
 #ifndef SSD_KERNELS_H
 #define SSD_KERNELS_H
@@ -64,13 +54,10 @@ typedef struct {
 typedef struct {
     int32_t m;               /* rows */
     int32_t k;               /* a multiple of 32 */
-    int8_t *q;               /* [m, k] per 32 along K */
+    int8_t *q;               /* [m, k] */
     float *d;                /* [m, k / 32] the block scales */
     float *ds;               /* [m, k / 32] d * sum q over the block */
-    int8_t *qk;              /* [m, k] per 256 along K (NULL, and the three below unused, when k % 256) */
-    float *dk;               /* [m, k / 256] the block scales */
-    int16_t *sk16;           /* [m, k / 16] sum qk over each 16 */
-    int16_t *sk32;           /* [m, k / 32] sum qk over each 32 */
+    float *ds16;             /* [m, k / 16] d * sum q over each half block (Q6_K's scale blocks) */
 } ssd_act;
 
 /* bytes of one 16-column tile of a weight of this kind and K (0: unknown kind or K not a multiple of its block) */

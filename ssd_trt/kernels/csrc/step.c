@@ -161,9 +161,9 @@ int ssd_step(ssd_pool *pool, const ssd_model *m, const ssd_step_args *a) {
                           + (size_t)rows * qkv_width
                           + (size_t)rows * 2 * inter        /* gate | up */
                           + (size_t)rows * hidden           /* o / down outputs */
-                          + (size_t)imax(rows, picked_rows) * widest / 32 * 4   /* activation scales and sums */
+                          + (size_t)imax(rows, picked_rows) * widest / 32 * 4   /* activation scales */
                           + (size_t)(m->heads / m->kv_heads) * visible + (size_t)visible;
-    float *buffer = malloc(floats * sizeof(float) + 2 * (size_t)imax(rows, picked_rows) * widest + 64);
+    float *buffer = malloc(floats * sizeof(float) + (size_t)imax(rows, picked_rows) * widest + 64);
     if (!buffer)
         return -1;
     float *x = buffer, *in = x + (size_t)rows * hidden, *qkv = in + (size_t)imax(rows, picked_rows) * widest;
@@ -173,9 +173,7 @@ int ssd_step(ssd_pool *pool, const ssd_model *m, const ssd_step_args *a) {
     float *scores = scales + 4 * blocks;
     int *slots = (int *)(scores + (size_t)(m->heads / m->kv_heads) * visible);
     int8_t *codes = (int8_t *)(slots + visible);
-    /* per 32: d, d * sum q; per 256: dk (blocks / 8), the sums over 32 (blocks int16) and 16 (2 blocks int16) */
-    ssd_act act = {0, 0, codes, scales, scales + blocks, codes + (size_t)imax(rows, picked_rows) * widest,
-                   scales + 2 * blocks, (int16_t *)(scales + 3 * blocks), (int16_t *)(scales + 2 * blocks + blocks / 2)};
+    ssd_act act = {0, 0, codes, scales, scales + blocks, scales + 2 * blocks};
 
     for (int r = 0; r < rows; r++)
         ssd_dequantize_column(m->embed, (int)a->input_ids[r], x + (size_t)r * hidden);
