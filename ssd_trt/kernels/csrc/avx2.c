@@ -113,15 +113,14 @@ static inline int sum32(const int8_t *q) {
 
 /* rows r0 .. r0 + rows - 1, columns 8 h .. 8 h + 7 of one tile, over the K-blocks kb0 .. kb1 - 1: the accumulators
  * come from acc (row r at acc[16 r + 8 h], zero when kb0 is 0) and go back there */
-static inline __attribute__((always_inline)) void half_rows(const int kind, const ssd_weight *w, const ssd_act *a,
-                                                            const uint8_t *tile, int h, int r0, const int rows,
-                                                            int kb0, int kb1, float *accbuf) {
+static inline __attribute__((always_inline)) void half_rows(const int kind, const ssd_act *a, const uint8_t *tile,
+                                                            int h, int r0, const int rows, int kb0, int kb1,
+                                                            float *accbuf) {
     const int bits = ssd_code_bits(kind), subs = ssd_kblock(kind) / SSD_SUB, code_bytes = ssd_code_bytes(bits);
     const int scale_bytes = ssd_scale_bytes(kind);
     const size_t kblock_bytes = ssd_kblock_bytes(kind);
     const int64_t row_blocks = a->k / SSD_SUB;
     const int c0 = 8 * h;
-    (void)w;
     __m256 acc[ROWS];      /* in registers: every loop over the rows is unrolled, rows a constant */
     #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
@@ -205,11 +204,11 @@ static inline __attribute__((always_inline)) void tiles_of_kind(const int kind, 
                 for (int h = 0; h < halves; h++) {
                     int r = 0;
                     for (; r + ROWS <= chunk; r += ROWS)
-                        half_rows(kind, w, a, tile, h, r0 + r, ROWS, kb0, kb1, accbuf + 16 * r);
+                        half_rows(kind, a, tile, h, r0 + r, ROWS, kb0, kb1, accbuf + 16 * r);
                     switch (chunk - r) {
-                    case 1: half_rows(kind, w, a, tile, h, r0 + r, 1, kb0, kb1, accbuf + 16 * r); break;
-                    case 2: half_rows(kind, w, a, tile, h, r0 + r, 2, kb0, kb1, accbuf + 16 * r); break;
-                    case 3: half_rows(kind, w, a, tile, h, r0 + r, 3, kb0, kb1, accbuf + 16 * r); break;
+                    case 1: half_rows(kind, a, tile, h, r0 + r, 1, kb0, kb1, accbuf + 16 * r); break;
+                    case 2: half_rows(kind, a, tile, h, r0 + r, 2, kb0, kb1, accbuf + 16 * r); break;
+                    case 3: half_rows(kind, a, tile, h, r0 + r, 3, kb0, kb1, accbuf + 16 * r); break;
                     default: break;
                     }
                 }
