@@ -15,12 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from ssd_trt.bench.kernels import MODELS, ROOT, OursPass, linear_tensors
-from ssd_trt.kernels import build, native
-
-
-def library_of(sources: Path) -> Path:
-    build.SOURCES = sources
-    return build.library_path()
+from ssd_trt.kernels import native
+from ssd_trt.models.sources import resolve_source
+from kernel_sources import library_of, use_library
 
 
 def main() -> None:
@@ -35,11 +32,12 @@ def main() -> None:
     args = ap.parse_args()
     libs = {"old": library_of(args.old.resolve()), "new": library_of(args.new.resolve())}
     name = next(n for n in MODELS if n.startswith(args.model))
-    tensors = linear_tensors(ROOT / MODELS[name])
+    source = MODELS[name]
+    tensors = linear_tensors(resolve_source(source).path if source.startswith("pkg:") else ROOT / source)
     passes = {}
     shared = None
     for label, lib in libs.items():
-        native.library_path = lambda lib=lib: lib
+        use_library(lib)
         one = OursPass.__new__(OursPass)
         one.kernels = native.Kernels(path=args.path, threads=1, cores=[0])
         if shared is None:

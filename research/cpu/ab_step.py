@@ -16,7 +16,7 @@ import numpy as np
 
 from ssd_trt.engines.base import EngineSpec
 from ssd_trt.engines.kernel_engine import KernelEngine
-from ssd_trt.kernels import build, native
+from kernel_sources import use_sources
 from ssd_trt.kernels.artifact import load_cpu_tiles
 
 
@@ -38,9 +38,7 @@ def main() -> None:
                       max_context=args.context + 64)
     engines = {}
     for label, src in (("old", args.old), ("new", args.new)):
-        build.SOURCES = src.resolve()
-        lib = build.library_path()
-        native.library_path = lambda lib=lib: lib
+        use_sources(src)
         engines[label] = KernelEngine(tiles, spec, threads=1, cores=[0])
     rng = np.random.default_rng(0)
     prefix = rng.integers(0, shape["vocab_size"], (1, args.context))

@@ -3,7 +3,7 @@ README.md, real target or draft: how much the activation quantization costs (max
     python research/cpu/activation_precision.py target OLD_CSRC NEW_CSRC   (two copies of ssd_trt/kernels/csrc)"""
 import sys, numpy as np
 from pathlib import Path
-from ssd_trt.kernels import build, native
+from kernel_sources import use_sources
 from ssd_trt.engines.base import EngineSpec
 from ssd_trt.engines.ort import OrtEngine
 from ssd_trt.kernels.artifact import load_cpu_tiles
@@ -23,8 +23,7 @@ def run(engine):
 ref = run(OrtEngine(folder / "model.ort.onnx", spec, int8_activations=False))
 res = {"ort-int8": run(OrtEngine(folder / "model.ort.onnx", spec, int8_activations=True))}
 for label, src in (("kernel " + sys.argv[2], sys.argv[2]), ("kernel " + sys.argv[3], sys.argv[3])):
-    build.SOURCES = Path(src).resolve(); lib = build.library_path()
-    native.library_path = lambda lib=lib: lib
+    use_sources(src)
     e = KernelEngine(tiles, spec); res[label] = run(e); e.close()
 def logp(x): x = x - x.max(-1, keepdims=True); return x - np.log(np.exp(x).sum(-1, keepdims=True))
 lr = logp(ref); pr = np.exp(lr)

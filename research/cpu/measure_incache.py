@@ -9,11 +9,12 @@ from pathlib import Path
 import sys, time, numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ssd_trt.bench.kernels import linear_tensors, ROOT, MODELS
-from ssd_trt.kernels import native, build
+from ssd_trt.kernels import native
+from kernel_sources import use_sources
 from ssd_trt.kernels.tiles import tile_gguf
 
 if len(sys.argv) > 1:
-    build.SOURCES = Path(sys.argv[1]).resolve(); lib = build.library_path(); native.library_path = lambda: lib
+    use_sources(Path(sys.argv[1]))
 ts = linear_tensors(ROOT / MODELS["real target (Qwen2.5-Coder-1.5B Q4_K_M)"])
 picked = {}
 for name, kind, k, raw in ts:
